@@ -40,6 +40,8 @@ class Args:
     """'expert' (the environment's expert) or a policy checkpoint folder (bc.py / bppo.py output)"""
     split: str = "train"
     """train | seen (dev) | unseen (test)"""
+    task_names: tuple[str, ...] = ()
+    """keep only these task families (ScienceWorld tasks, ALFWorld task types, WebShop categories)"""
     num_tasks: int | None = None
     """play only the first N tasks of the split (default: all); with the expert, the first N it can finish"""
     samples_per_task: int = 1
@@ -127,7 +129,7 @@ class Conversation:
         piece = segments[last][0]
         for content in (answer, answer.strip()):
             if content and content in piece:
-                tail = piece[piece.rfind(content) + len(content):]
+                tail = piece[piece.find(content) + len(content):]
                 break
         else:
             tail = piece if not answer.strip() else None
@@ -166,8 +168,11 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
 @torch.no_grad()
 def play_policy(convs: list[Conversation], model, tok, args: Args):
     """Play the conversations in lock-step until all are done; yields each finished one."""
+    # End of turn: the tokenizer's EOS and the model's own (Llama-3's <|eot_id|> is only in the latter).
+    configured = model.generation_config.eos_token_id
+    stop = sorted({tok.eos_token_id, *(configured if isinstance(configured, list) else [configured])} - {None})
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0, pad_token_id=tok.pad_token_id,
-               eos_token_id=tok.eos_token_id, return_dict_in_generate=True, output_logits=True)
+               eos_token_id=stop, return_dict_in_generate=True, output_logits=True)
     if args.temperature > 0:
         gen.update(temperature=args.temperature, top_k=0, top_p=1.0)
     dev = model.device
@@ -182,7 +187,7 @@ def play_policy(convs: list[Conversation], model, tok, args: Args):
         keep, next_rows, new_mask = [], [], torch.zeros_like(new)
         for b, conv in enumerate(convs):
             row = new[b].tolist()
-            n = row.index(tok.eos_token_id) if tok.eos_token_id in row else len(row)
+            n = next((i for i, token in enumerate(row) if token in stop), len(row))
             new_mask[b, :n] = 1  # the answer's tokens; its end-of-turn and the padding after it are masked out
             text = tok.decode(row[:n], skip_special_tokens=True)
             conv.act(text, logp[b, :n + (n < len(row))].sum().item())
@@ -230,6 +235,12 @@ def main() -> None:
     kwargs = {"max_steps": args.max_steps} if args.max_steps else {}
     envs = [make_env(args.env, **kwargs) for _ in range(1 if args.policy == "expert" else args.num_envs)]
     tasks = envs[0].tasks(args.split)
+    if args.task_names:
+        known = sorted({t.name for t in tasks})
+        if unknown := [n for n in args.task_names if n not in known]:
+            raise common.UserError(f"--task-names {' '.join(unknown)}: not in {args.env} {args.split}; "
+                                   f"its families are: {' '.join(known)}")
+        tasks = [t for t in tasks if t.name in args.task_names]
     out.parent.mkdir(parents=True, exist_ok=True)
     common.write_json(out.with_suffix(".args.json"), vars(args))
 

@@ -122,12 +122,16 @@ def read_jsonl(path: str | os.PathLike, allow_empty: bool = False) -> list[dict]
     if not os.path.isfile(path):
         raise UserError(f"{path}: no such file")
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # lines end at "\n" only, so line numbers are what an editor shows
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UserError(f"{path}:{lineno}: not UTF-8 (byte {e.start + 1})") from None
             if not line.strip():
                 continue
             try:
-                record = json.loads(line.rstrip("\n"))
+                record = json.loads(line.rstrip("\r\n"))
                 if isinstance(record, dict) and "conversations" in record and "steps" not in record:
                     record = from_eto(record, path)
                 validate_trajectory(record)

@@ -104,7 +104,9 @@ def test_action_logprobs_match_a_full_softmax(tiny):
 
 
 @pytest.mark.parametrize("script", ["bc.py", "collect.py", "relabel.py", "critic.py", "bppo.py",
-                                    "bench/rollout_speed.py", "envs/webshop_build.py"])
+                                    "bench/rollout_speed.py", "bench/critic_speed.py",
+                                    "bench/gpu_memory.py", "bench/bppo_memory.py", "envs/webshop_build.py",
+                                    "tools/results.py"])
 def test_every_script_answers_help(script):
     assert "usage" in run_script(script, "--help").stdout.lower()
 

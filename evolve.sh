@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Q-Evolve's self-evolution loop (paper §1.1, Algorithm 1): BC on expert data, then ITERS iterations of
+# collect -> relabel -> critic -> bppo; the BC policy and every iteration's are evaluated on seen and unseen tasks.
+# Settings are environment variables, printed at start. Each stage writes RUN/<iter>/<stage>/ and a .done
+# marker last, so running the same command again after a crash or Ctrl-C skips what is finished.
+#   bash evolve.sh                         # default model, short ScienceWorld tasks, 2 iterations, CPU
+#   SMOKE=1 bash evolve.sh                 # the whole loop on the tiny model and two tasks, in minutes
+#   PRESET=7b ENV=alfworld bash evolve.sh  # Llama-2-7B-Chat, 4-bit QLoRA, all tasks: one 24 GB GPU
+set -euo pipefail
+cd "$(dirname "$0")"
+
+if [ "${SMOKE:-0}" = 1 ]; then
+  : "${MODEL:=tiny}" "${RUN:=runs/smoke}" "${NUM_TASKS:=2}" "${NUM_EVAL:=1}" "${SAMPLES:=2}" "${MAX_STEPS:=3}"
+  : "${BC_EPOCHS:=1}" "${CRITIC_EPOCHS:=1}" "${TASKS:=find-non-living-thing lifespan-longest-lived}"
+fi
+if [ "${PRESET:-}" = 7b ]; then  # one 24 GB GPU, paper scale: every task of the env, its own step cap
+  : "${MODEL:=meta-llama/Llama-2-7b-chat-hf}" "${TASKS=}" "${NUM_TASKS:=0}" "${NUM_EVAL:=0}" "${MAX_STEPS=}"
+  : "${BC_EPOCHS:=3}" "${CRITIC_EPOCHS:=2}" "${BPPO_LR:=1e-5}" "${GRAD_ACCUM:=16}" "${BC_ACCUM:=16}"
+elif [ -n "${PRESET:-}" ]; then
+  echo "PRESET=$PRESET: the only preset is 7b" >&2; exit 2
+fi
+: "${ENV:=sciworld}" "${MODEL:=smollm2-135m}" "${ITERS:=2}" "${RUN:=runs/evolve-$ENV}"
+# The default: four short ScienceWorld families (expert 2-9 steps; a wrong `focus on` ends the episode), sized
+# so that the whole loop fits in 90 minutes on 2 CPU cores. See README, "The loop".
+: "${TASKS=lifespan-longest-lived lifespan-shortest-lived lifespan-longest-lived-then-shortest-lived find-non-living-thing}"
+: "${NUM_TASKS:=12}" "${NUM_EVAL:=8}" "${SAMPLES:=3}" "${TEMPERATURE:=0.7}" "${MAX_STEPS=10}"
+: "${BC_EPOCHS:=4}" "${CRITIC_EPOCHS:=2}" "${BPPO_EPOCHS:=1}" "${BPPO_LR:=1e-4}" "${NUM_ENVS:=8}" "${GRAD_ACCUM:=4}"
+: "${BC_ACCUM:=2}"
+: "${ABLATION:=none}" "${PROCESS_REWARD:=gae}" "${KEEP_SELF:=0}"
+
+relabel_flags=() critic_extra=() bppo_extra=()
+case "$ABLATION" in  # the rows of the paper's Table 3
+  none) ;;
+  no_rr) relabel_flags=(--off) ;;
+  no_wiql) critic_extra=(--no-weights) ;;
+  no_gae) PROCESS_REWARD=q_minus_v ;;
+  awr) bppo_extra=(--objective awr) ;;
+  *) echo "ABLATION=$ABLATION: use none, no_rr, no_wiql, no_gae or awr" >&2; exit 2 ;;
+esac
+critic_flags=(--process-reward "$PROCESS_REWARD" --epochs "$CRITIC_EPOCHS" --grad-accum "$GRAD_ACCUM" "${critic_extra[@]}")
+bppo_flags=(--epochs "$BPPO_EPOCHS" --lr "$BPPO_LR" --grad-accum "$GRAD_ACCUM" "${bppo_extra[@]}")
+settings=$(for v in ENV MODEL ITERS TASKS NUM_TASKS NUM_EVAL SAMPLES TEMPERATURE MAX_STEPS BC_EPOCHS \
+                    CRITIC_EPOCHS BPPO_EPOCHS BPPO_LR NUM_ENVS GRAD_ACCUM BC_ACCUM ABLATION PROCESS_REWARD KEEP_SELF; do
+  printf '%-15s %s\n' "$v" "${!v}"; done)
+printf 'RUN            %s\n%s\n' "$RUN" "$settings"
+mkdir -p "$RUN"
+if [ -f "$RUN/settings.txt" ] && [ "$(cat "$RUN/settings.txt")" != "$settings" ]; then
+  echo "$RUN holds a run with other settings (see $RUN/settings.txt): choose another RUN, or delete it" >&2
+  diff <(echo "$settings") "$RUN/settings.txt" >&2 || true
+  exit 2
+fi
+echo "$settings" > "$RUN/settings.txt"
+select=(--env "$ENV")
+[ -n "$MAX_STEPS" ] && select+=(--max-steps "$MAX_STEPS")
+[ -n "$TASKS" ] && select+=(--task-names $TASKS)
+[ "$NUM_TASKS" != 0 ] && train_tasks=(--num-tasks "$NUM_TASKS") || train_tasks=()
+[ "$NUM_EVAL" != 0 ] && eval_tasks=(--num-tasks "$NUM_EVAL") || eval_tasks=()
+
+stage() {  # stage DIR COMMAND...: run COMMAND unless DIR/.done says it already finished
+  local dir=$1; shift
+  if [ -f "$dir/.done" ]; then echo "[done] $dir"; return; fi
+  mkdir -p "$dir" && echo "[run]  $dir: $*"
+  "$@"
+  touch "$dir/.done"
+}
+evaluate() {  # evaluate ITER POLICY: greedy episodes on seen and unseen tasks
+  for split in seen unseen; do
+    stage "$RUN/$1/eval_$split" python collect.py "${select[@]}" --policy "$2" --split $split \
+      "${eval_tasks[@]}" --num-envs "$NUM_ENVS" --temperature 0 --iteration "$1" --out "$RUN/$1/eval_$split/episodes.jsonl"
+  done
+}
+
+expert=$RUN/0/expert/train.jsonl
+stage "$RUN/0/expert" python collect.py "${select[@]}" --policy expert --split train "${train_tasks[@]}" --out "$expert"
+stage "$RUN/0/bc" python bc.py --data "$expert" --model "$MODEL" --epochs "$BC_EPOCHS" --grad-accum "$BC_ACCUM" --out "$RUN/0/bc"
+evaluate 0 "$RUN/0/bc"
+policy=$RUN/0/bc selves=()
+for it in $(seq 1 "$ITERS"); do
+  d=$RUN/$it
+  stage "$d/collect" python collect.py "${select[@]}" --policy "$policy" --split train "${train_tasks[@]}" \
+    --samples-per-task "$SAMPLES" --num-envs "$NUM_ENVS" --temperature "$TEMPERATURE" --iteration "$it" --out "$d/collect/self.jsonl"
+  # paper §1.1: this iteration's self-generated data replaces the last one's; expert data stays
+  [ "$KEEP_SELF" = 1 ] && selves+=("$d/collect/self.jsonl") || selves=("$d/collect/self.jsonl")
+  stage "$d/relabel" python relabel.py "$expert" "${selves[@]}" --out "$d/relabel/hybrid.jsonl" "${relabel_flags[@]}"
+  stage "$d/critic" python critic.py --data "$d/relabel/hybrid.jsonl" --policy "$policy" --out "$d/critic" \
+    "${critic_flags[@]}"  # re-trained from scratch every iteration, on this iteration's data only
+  stage "$d/bppo" python bppo.py --data "$d/critic/scored.jsonl" --policy "$policy" --reference "$RUN/0/bc" \
+    --out "$d/bppo" "${bppo_flags[@]}"
+  policy=$d/bppo  # the policy continues from the last iteration's
+  evaluate "$it" "$policy"
+done
+python tools/results.py "$RUN" "$ITERS"

@@ -1,0 +1,45 @@
+"""End to end: evolve.sh's whole loop (SMOKE=1: the tiny model, two ScienceWorld tasks) on the real ScienceWorld,
+killed in the middle of a stage and run again."""
+import os
+import signal
+import subprocess
+import time
+from collections import Counter
+
+import common
+from conftest import ROOT
+
+
+def evolve(run, **env) -> subprocess.Popen:
+    return subprocess.Popen(["bash", "evolve.sh"], cwd=ROOT, env={**os.environ, "SMOKE": "1", "RUN": str(run), **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def test_smoke_loop_survives_a_kill_and_reports(tmp_path):
+    run = tmp_path / "run"
+    proc = evolve(run)
+    collecting = run / "1" / "collect" / "self.jsonl"
+    deadline = time.time() + 600
+    while not (collecting.exists() and collecting.read_text().count("\n") >= 1):  # mid-stage: episodes in flight
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.time() < deadline, "iteration 1 never started collecting"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (run / "1" / "collect" / ".done").exists()
+
+    proc = evolve(run)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out
+    assert "[done] " + str(run / "0" / "bc") in out  # finished stages are not run again
+
+    for it in (1, 2):
+        ids = Counter(t["id"] for t in common.read_jsonl(run / str(it) / "collect" / "self.jsonl"))
+        assert len(ids) == 2 * 2 and max(ids.values()) == 1  # 2 tasks × 2 samples, none twice, none lost
+        scored = common.read_jsonl(run / str(it) / "critic" / "scored.jsonl")
+        assert all("advantage" in s for t in scored for s in t["steps"])
+        assert common.read_meta(run / str(it) / "bppo", "policy")["base_model"] == "tiny"
+    table = (run / "results.md").read_text()
+    for name in ("| BC |", "| Iter 1 |", "| Iter 2 |"):
+        assert name in table and name in out
+    assert (run / "results.png").read_bytes()[:4] == b"\x89PNG"

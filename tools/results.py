@@ -1,0 +1,72 @@
+"""The results of an evolve.sh run as the paper reports them: a table (RUN/results.md) and a plot
+(RUN/results.png, like its Figure 3) of BC, Iter 1, Iter 2 ... on seen and unseen tasks.
+
+    python tools/results.py runs/evolve-sciworld 2
+
+Reads RUN/<iter>/eval_{seen,unseen}/episodes.summary.json (collect.py's evaluation summaries) and, for the
+environment steps each policy cost to train, RUN/<iter>/collect/self.summary.json.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def load(path: Path) -> dict:
+    if not path.exists():
+        sys.exit(f"{path}: missing; has this stage of the run finished?")
+    return json.loads(path.read_text())
+
+
+def main(run: Path, iters: int) -> None:
+    rows, train_steps = [], 0
+    for it in range(iters + 1):
+        if it:  # the policy of iteration it was trained on the rollouts of iterations 1..it
+            train_steps += load(run / str(it) / "collect" / "self.summary.json")["env_steps"]
+        seen, unseen = (load(run / str(it) / f"eval_{s}" / "episodes.summary.json") for s in ("seen", "unseen"))
+        rows.append(dict(name="BC" if it == 0 else f"Iter {it}", seen=seen, unseen=unseen, train_steps=train_steps))
+
+    lines = ["| policy | seen reward ×100 | seen success % | unseen reward ×100 | unseen success % "
+             "| train env steps used |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['seen']['reward_x100']:.1f} | {100 * r['seen']['success_rate']:.1f} "
+                     f"| {r['unseen']['reward_x100']:.1f} | {100 * r['unseen']['success_rate']:.1f} "
+                     f"| {r['train_steps']} |")
+    first = rows[0]["seen"]
+    note = (f"\n{first['env']}: {first['episodes']} seen and {rows[0]['unseen']['episodes']} unseen episodes per "
+            "policy, greedy; reward is the final score averaged over episodes.\n")
+    table = "\n".join(lines) + "\n" + note
+    (run / "results.md").write_text(table)
+    print(table)
+
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no results.png")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), sharey=True)
+    x = range(len(rows))
+    for ax, metric, label in ((axes[0], "reward_x100", "mean reward ×100"), (axes[1], "success_rate", "success %")):
+        for split, marker in (("seen", "o-"), ("unseen", "s--")):
+            ys = [r[split][metric] * (100 if metric == "success_rate" else 1) for r in rows]
+            ax.plot(x, ys, marker, label=split)
+        ax.set_xticks(list(x), [r["name"] for r in rows])
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(f"Q-Evolve on {first['env']} ({run.name})")
+    fig.tight_layout()
+    tmp = run / "results.png.tmp"
+    fig.savefig(tmp, format="png", dpi=120)
+    tmp.rename(run / "results.png")
+    print(f"wrote {run / 'results.md'} and {run / 'results.png'}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] in ("-h", "--help"):
+        print("usage: python tools/results.py RUN ITERS   (an evolve.sh run folder and its number of iterations)")
+        sys.exit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
+    main(Path(sys.argv[1]), int(sys.argv[2]))
