@@ -224,6 +224,7 @@ def main() -> None:
     common.save_args(out, args)
     metrics = open(out / "metrics.jsonl", "w")
     n_steps = math.ceil(len(train) / args.grad_accum) * args.epochs
+    model.train()  # gradient checkpointing is only active in train mode (dropout is 0 in the critic)
     bar = tqdm(total=n_steps, desc="critic", unit="step")
     step, transitions, t0 = 0, 0, time.time()
     for epoch in range(args.epochs):

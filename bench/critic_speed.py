@@ -46,6 +46,7 @@ def train(values_fn, trajs, encoded, cargs, model_name: str, seed: int) -> tuple
     common.seed_everything(seed)
     base, _ = common.load_base(model_name, None, grad_ckpt=True)
     model = get_peft_model(base, common.lora_config(16, 32, 0.0), adapter_name="critic")
+    model.train()  # as critic.py: gradient checkpointing is only active in train mode
     heads = critic.Heads(base.config.hidden_size)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad] + list(heads.parameters()))
     first, transitions, t0 = None, 0, time.time()
