@@ -9,8 +9,6 @@ peft are imported (what the method itself costs), with the total beside it.
 """
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -64,19 +62,12 @@ class Args:
     num_trajs: int = 4
 
 
-def measure(code: str, argv: list[str]) -> dict:
-    proc = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1].removeprefix("PEAK "))
-
-
 def main() -> None:
     args = tyro.cli(Args)
     import common
     from peft import get_peft_model
 
-    from gpu_memory import synthetic_trajectories
+    from gpu_memory import measure, synthetic_trajectories
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model, tok = common.load_base(args.model)
@@ -87,10 +78,11 @@ def main() -> None:
         for i, t in enumerate(trajs):  # advantages of both signs, as critic.py writes them
             t["steps"] = [{**s, "value": 0.0, "advantage": (-1.0) ** (i + k)} for k, s in enumerate(t["steps"])]
         common.write_jsonl(work / "scored.jsonl", trajs)
-        shared = measure(SHARED, ["bppo.py", "--data", str(work / "scored.jsonl"), "--policy", str(work / "policy"),
-                                  "--reference", str(work / "policy"), "--grad-accum", str(args.num_trajs),
-                                  "--out", str(work / "out")])
-        separate = measure(SEPARATE, [str(work / "scored.jsonl"), str(work / "policy")])
+        shared = measure("bppo.py (shared base)", SHARED,
+                         ["bppo.py", "--data", str(work / "scored.jsonl"), "--policy", str(work / "policy"),
+                          "--reference", str(work / "policy"), "--grad-accum", str(args.num_trajs),
+                          "--out", str(work / "out")])
+        separate = measure("three models", SEPARATE, [str(work / "scored.jsonl"), str(work / "policy")])
 
     def mb(x):
         return x / 2**20

@@ -74,7 +74,8 @@ def main() -> None:
         trajs = [relabel.label_trajectory(t) if "aux_reward" not in t["steps"][0] else t
                  for t in common.read_jsonl(path)[:args.num_trajs]]
     cargs = critic.Args(data="-", policy="-")
-    _, tok = common.load_base(args.model, None)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(common.resolve_model(args.model))  # the tokenizer alone, not a model
     encoded = [critic.encode(tok, t) for t in trajs]
     tokens = sum(e[0].shape[1] for e in encoded)
     print(f"{len(trajs)} trajectories, {sum(len(t['steps']) for t in trajs)} transitions, {tokens} tokens, "

@@ -104,12 +104,17 @@ def synthetic_trajectories(tok, n: int, tokens: int, steps: int = 8) -> list[dic
     return [make(i, lo) for i in range(n)]
 
 
-def run_stage(name: str, argv: list[str], rate_of) -> dict:
-    print(f"--- {name}: {' '.join(argv)}", flush=True)
-    proc = subprocess.run([sys.executable, "-c", PEAK, *argv], cwd=ROOT, capture_output=True, text=True)
+def measure(name: str, code: str, argv: list[str]) -> dict:
+    """Run `code` (which prints a last line "PEAK {json}") in a fresh Python process; that JSON."""
+    proc = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    peak = json.loads(proc.stdout.strip().splitlines()[-1].removeprefix("PEAK "))
+    return json.loads(proc.stdout.strip().splitlines()[-1].removeprefix("PEAK "))
+
+
+def run_stage(name: str, argv: list[str], rate_of) -> dict:
+    print(f"--- {name}: {' '.join(argv)}", flush=True)
+    peak = measure(name, PEAK, argv)
     return {"stage": name, **peak, "rate": rate_of(peak["seconds"])}
 
 
