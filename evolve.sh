@@ -10,22 +10,24 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 if [ "${SMOKE:-0}" = 1 ]; then
-  : "${MODEL:=tiny}" "${RUN:=runs/smoke}" "${NUM_TASKS:=2}" "${NUM_EVAL:=1}" "${SAMPLES:=2}" "${MAX_STEPS:=3}"
+  : "${MODEL:=tiny}" "${RUN:=runs/smoke}" "${NUM_DEMOS:=2}" "${NUM_TASKS:=2}" "${NUM_EVAL:=1}" "${SAMPLES:=2}" "${MAX_STEPS:=3}"
   : "${BC_EPOCHS:=1}" "${CRITIC_EPOCHS:=1}" "${TASKS:=find-non-living-thing lifespan-longest-lived}"
 fi
 if [ "${PRESET:-}" = 7b ]; then  # one 24 GB GPU, paper scale: every task of the env, its own step cap
-  : "${MODEL:=meta-llama/Llama-2-7b-chat-hf}" "${TASKS=}" "${NUM_TASKS:=0}" "${NUM_EVAL:=0}" "${MAX_STEPS=}"
-  : "${BC_EPOCHS:=3}" "${CRITIC_EPOCHS:=2}" "${BPPO_LR:=1e-5}" "${GRAD_ACCUM:=16}" "${BC_ACCUM:=16}"
+  : "${MODEL:=meta-llama/Llama-2-7b-chat-hf}" "${TASKS=}" "${NUM_DEMOS:=0}" "${NUM_TASKS:=0}" "${NUM_EVAL:=0}" "${MAX_STEPS=}"
+  : "${BC_EPOCHS:=3}" "${CRITIC_EPOCHS:=2}" "${BPPO_LR:=1e-5}" "${GRAD_ACCUM:=16}" "${BC_ACCUM:=16}" "${CRITIC_ACCUM:=16}"
 elif [ -n "${PRESET:-}" ]; then
   echo "PRESET=$PRESET: the only preset is 7b" >&2; exit 2
 fi
 : "${ENV:=sciworld}" "${MODEL:=smollm2-135m}" "${ITERS:=2}" "${RUN:=runs/evolve-$ENV}"
-# The default: four short ScienceWorld families (expert 2-9 steps; a wrong `focus on` ends the episode), sized
-# so that the whole loop fits in 90 minutes on 2 CPU cores. See README, "The loop".
-: "${TASKS=lifespan-longest-lived lifespan-shortest-lived lifespan-longest-lived-then-shortest-lived find-non-living-thing}"
-: "${NUM_TASKS:=12}" "${NUM_EVAL:=8}" "${SAMPLES:=3}" "${TEMPERATURE:=0.7}" "${MAX_STEPS=10}"
-: "${BC_EPOCHS:=4}" "${CRITIC_EPOCHS:=2}" "${BPPO_EPOCHS:=1}" "${BPPO_LR:=1e-4}" "${NUM_ENVS:=8}" "${GRAD_ACCUM:=4}"
-: "${BC_ACCUM:=2}"
+# The default: ScienceWorld's three lifespan families (walk outside, look, focus on the right animal: expert
+# 2-12 steps; a wrong `focus on` ends the episode), sized so that the whole loop fits in 90 minutes on 2 CPU
+# cores. Demonstrations come from the first NUM_DEMOS training variations, rollouts from the first NUM_TASKS of
+# them. See README, "The loop".
+: "${TASKS=lifespan-longest-lived lifespan-shortest-lived lifespan-longest-lived-then-shortest-lived}"
+: "${NUM_DEMOS:=18}" "${NUM_TASKS:=12}" "${NUM_EVAL:=8}" "${SAMPLES:=3}" "${TEMPERATURE:=0.7}" "${MAX_STEPS=12}"
+: "${BC_EPOCHS:=3}" "${CRITIC_EPOCHS:=2}" "${BPPO_EPOCHS:=1}" "${BPPO_LR:=1e-4}" "${NUM_ENVS:=8}" "${GRAD_ACCUM:=4}"
+: "${BC_ACCUM:=2}" "${CRITIC_ACCUM:=2}"
 : "${ABLATION:=none}" "${PROCESS_REWARD:=gae}" "${KEEP_SELF:=0}"
 
 relabel_flags=() critic_extra=() bppo_extra=()
@@ -37,10 +39,10 @@ case "$ABLATION" in  # the rows of the paper's Table 3
   awr) bppo_extra=(--objective awr) ;;
   *) echo "ABLATION=$ABLATION: use none, no_rr, no_wiql, no_gae or awr" >&2; exit 2 ;;
 esac
-critic_flags=(--process-reward "$PROCESS_REWARD" --epochs "$CRITIC_EPOCHS" --grad-accum "$GRAD_ACCUM" "${critic_extra[@]}")
+critic_flags=(--process-reward "$PROCESS_REWARD" --epochs "$CRITIC_EPOCHS" --grad-accum "$CRITIC_ACCUM" "${critic_extra[@]}")
 bppo_flags=(--epochs "$BPPO_EPOCHS" --lr "$BPPO_LR" --grad-accum "$GRAD_ACCUM" "${bppo_extra[@]}")
-settings=$(for v in ENV MODEL ITERS TASKS NUM_TASKS NUM_EVAL SAMPLES TEMPERATURE MAX_STEPS BC_EPOCHS \
-                    CRITIC_EPOCHS BPPO_EPOCHS BPPO_LR NUM_ENVS GRAD_ACCUM BC_ACCUM ABLATION PROCESS_REWARD KEEP_SELF; do
+settings=$(for v in ENV MODEL ITERS TASKS NUM_DEMOS NUM_TASKS NUM_EVAL SAMPLES TEMPERATURE MAX_STEPS BC_EPOCHS \
+                    CRITIC_EPOCHS BPPO_EPOCHS BPPO_LR NUM_ENVS GRAD_ACCUM BC_ACCUM CRITIC_ACCUM ABLATION PROCESS_REWARD KEEP_SELF; do
   printf '%-15s %s\n' "$v" "${!v}"; done)
 printf 'RUN            %s\n%s\n' "$RUN" "$settings"
 mkdir -p "$RUN"
@@ -53,6 +55,7 @@ echo "$settings" > "$RUN/settings.txt"
 select=(--env "$ENV")
 [ -n "$MAX_STEPS" ] && select+=(--max-steps "$MAX_STEPS")
 [ -n "$TASKS" ] && select+=(--task-names $TASKS)
+[ "$NUM_DEMOS" != 0 ] && demo_tasks=(--num-tasks "$NUM_DEMOS") || demo_tasks=()
 [ "$NUM_TASKS" != 0 ] && train_tasks=(--num-tasks "$NUM_TASKS") || train_tasks=()
 [ "$NUM_EVAL" != 0 ] && eval_tasks=(--num-tasks "$NUM_EVAL") || eval_tasks=()
 
@@ -71,7 +74,7 @@ evaluate() {  # evaluate ITER POLICY: greedy episodes on seen and unseen tasks
 }
 
 expert=$RUN/0/expert/train.jsonl
-stage "$RUN/0/expert" python collect.py "${select[@]}" --policy expert --split train "${train_tasks[@]}" --out "$expert"
+stage "$RUN/0/expert" python collect.py "${select[@]}" --policy expert --split train "${demo_tasks[@]}" --out "$expert"
 stage "$RUN/0/bc" python bc.py --data "$expert" --model "$MODEL" --epochs "$BC_EPOCHS" --grad-accum "$BC_ACCUM" --out "$RUN/0/bc"
 evaluate 0 "$RUN/0/bc"
 policy=$RUN/0/bc selves=()

@@ -1,9 +1,12 @@
 """ScienceWorld (Wang et al. 2022) through the real `scienceworld` package, with ETO's splits.
 
-Two departures from the stock `ScienceWorldEnv.step`, both for speed and memory (design/envs.md §1):
+Departures from the stock `ScienceWorldEnv` (design/envs.md §1):
 - a thin step: the stock one builds every valid action-object combination on every call (~20 steps/s);
   we read only the observation, score and completion flag (~80+ steps/s);
-- the JVM heap is capped (`-Xmx1g`): the default is a quarter of the RAM and grows to ~3 GB.
+- the JVM heap is capped (`-Xmx1g`): the default is a quarter of the RAM and grows to ~3 GB;
+- every call into the JVM times out (`step_timeout`); a JVM that died or hung is restarted and the episode's
+  actions replayed, so one engine fault costs one replay, not the run;
+- the expert is the gold path with a `look around` after each move (see `with_looks`).
 
 Splits are ETO's (data/eto/, copied from github.com/Yifan-Song793/ETO): train 1483, seen (ETO's dev) 194,
 unseen (ETO's test) 211 (task, variation) pairs. Kept exactly as released: 54 of ETO's dev pairs are also in
@@ -46,32 +49,55 @@ def eto_task_name(eto_name: str) -> str:
     return name.replace("mendellian", "mendelian")  # ETO's spelling
 
 
-def _launch_with_capped_heap(heap: str) -> None:
+def _patch_engine(heap: str, timeout: float) -> None:
+    """Cap the JVM heap, and give every call into it a socket timeout, so that a hung engine raises instead
+    of blocking the whole run (the adapter then restarts it)."""
     import scienceworld.scienceworld as sw
-    if getattr(sw.launch_gateway, "qevolve_heap", None) == heap:
-        return
-    original = getattr(sw.launch_gateway, "original", sw.launch_gateway)
+    from py4j.java_gateway import GatewayParameters
+    launch = getattr(sw.launch_gateway, "original", sw.launch_gateway)
 
-    def launch(*args, **kwargs):
+    def capped_launch(*args, **kwargs):
         kwargs["javaopts"] = [f"-Xmx{heap}", "-XX:+UseSerialGC"]
-        return original(*args, **kwargs)
+        return launch(*args, **kwargs)
 
-    launch.original, launch.qevolve_heap = original, heap
-    sw.launch_gateway = launch
+    def timed_parameters(*args, **kwargs):
+        return GatewayParameters(*args, **kwargs, read_timeout=timeout)
+
+    capped_launch.original = launch
+    sw.launch_gateway, sw.GatewayParameters = capped_launch, timed_parameters
+
+
+def with_looks(gold: list[str]) -> list[str]:
+    """The gold path with a `look around` after every move that is not already followed by one.
+
+    Moving only prints "You move to the outside."; the gold path then often acts on what is there (e.g.
+    `focus on egg parrot`) without looking, which no policy can learn to imitate: the object's name is in
+    no observation. Looking changes neither the world nor the score."""
+    out = []
+    for k, action in enumerate(gold):
+        out.append(action)
+        moved = action.startswith(("go to ", "teleport to "))
+        if moved and k + 1 < len(gold) and gold[k + 1] != "look around":
+            out.append("look around")
+    return out
 
 
 class SciWorldEnv(TextEnv):
     name = "sciworld"
     system_prompt = SYSTEM_PROMPT
 
-    def __init__(self, max_steps: int = 24, simplification: str = EASY, jvm_heap: str = "1g"):
+    def __init__(self, max_steps: int = 24, simplification: str = EASY, jvm_heap: str = "1g",
+                 step_timeout: float = 120.0):
+        """step_timeout: seconds one call into the engine may take before it counts as hung (loading a task
+        with its gold path takes a few)."""
         self.max_steps, self.simplification, self.jvm_heap = max_steps, simplification, jvm_heap
+        self.step_timeout = step_timeout
         self._sw = None
         self._gold: list[str] = []
 
     def _engine(self):
         if self._sw is None:
-            _launch_with_capped_heap(self.jvm_heap)
+            _patch_engine(self.jvm_heap, self.step_timeout)
             from scienceworld import ScienceWorldEnv
             self._sw = ScienceWorldEnv("", envStepLimit=10_000)  # our own step counter caps episodes
         return self._sw
@@ -95,7 +121,7 @@ class SciWorldEnv(TextEnv):
         return result
 
     def _with_restart(self, fn, arg):
-        """Run fn(arg); if the JVM died, start a new one, replay this episode's actions, and run it again."""
+        """Run fn(arg); if the JVM died or hung, start a new one, replay this episode's actions, and run it again."""
         from py4j.protocol import Py4JError
         try:
             return fn(arg)
@@ -126,7 +152,7 @@ class SciWorldEnv(TextEnv):
             simplification = ",".join(s for s in simplification.split(",") if s != "noElectricalAction")
         sw.load(task.name, task.variation, simplification, generateGoldPath=True)
         sw.server.reset()
-        self._gold = list(sw.get_gold_action_sequence())
+        self._gold = with_looks(sw.get_gold_action_sequence())
         obs = sw.server.step("look around")
         # Some tasks start with part of the score (e.g. an open door); it is no step's reward.
         self._t, self._score = 0, max(int(round(100 * sw.server.getScore())), 0)

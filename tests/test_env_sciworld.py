@@ -50,3 +50,18 @@ def test_dead_jvm_is_restarted_and_the_episode_replayed(capfd):
     assert "restarting it and replaying 2 actions" in capfd.readouterr().err
     assert obs == "You move to the hallway." and not done
     env.close()
+
+
+def test_hung_jvm_times_out_and_is_restarted(capfd):
+    import signal
+
+    from envs import make_env
+    env = make_env("sciworld", step_timeout=5)
+    task = Task("sciworld", "find-animal", 0, "train")
+    env.reset(task)
+    env.step("go to kitchen")
+    env.jvm().send_signal(signal.SIGSTOP)  # alive but answering nothing, as a deadlocked engine
+    obs, reward, done, info = env.step("go to hallway")
+    assert "restarting it and replaying 1 actions" in capfd.readouterr().err
+    assert obs == "You move to the hallway." and not done
+    env.close()
