@@ -50,4 +50,4 @@ def test_policy_checkpoint_errors_are_clear(tmp_path):
 def test_too_long_chat_is_an_error_not_a_cut(sciworld_expert, tmp_path):
     proc = run_script("bc.py", "--data", str(sciworld_expert), "--model", "tiny", "--out", str(tmp_path / "o"),
                       "--max-length", "64", check=False)
-    assert proc.returncode == 2 and "--max-length 64" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "tokens > 64 (--max-length" in proc.stderr and "Traceback" not in proc.stderr

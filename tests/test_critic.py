@@ -111,4 +111,4 @@ def test_critic_cli_trains_saves_and_reloads(tiny_policy, sciworld_expert, tmp_p
 def test_critic_needs_relabelled_data(tiny_policy, sciworld_expert, tmp_path):
     proc = run_script("critic.py", "--data", str(sciworld_expert), "--policy", str(tiny_policy),
                       "--out", str(tmp_path / "c"), check=False)
-    assert proc.returncode == 2 and "run relabel.py on it first" in proc.stderr
+    assert proc.returncode == 2 and "no finite 'aux_reward'; relabel.py writes it" in proc.stderr

@@ -65,3 +65,11 @@ def test_hung_jvm_times_out_and_is_restarted(capfd):
     assert "restarting it and replaying 1 actions" in capfd.readouterr().err
     assert obs == "You move to the hallway." and not done
     env.close()
+
+
+def test_expert_looks_after_every_move():
+    from envs.sciworld import with_looks
+    gold = ["open door to outside", "go to outside", "focus on egg parrot", "teleport to kitchen", "look around",
+            "go to hallway"]
+    assert with_looks(gold) == ["open door to outside", "go to outside", "look around", "focus on egg parrot",
+                                "teleport to kitchen", "look around", "go to hallway"]
