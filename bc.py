@@ -109,15 +109,11 @@ def main() -> None:
 
     model, tokenizer = common.load_base(args.model, args.load_in_4bit, args.grad_ckpt)
 
-    limit = min(args.max_length, model.config.max_position_embeddings)
-
     def encode(items, where):
         seqs = []
         for t in items:
             ids, spans = common.tokenize_chat(tokenizer, t["messages"])
-            if len(ids) > limit:
-                raise common.UserError(f"{where}: trajectory {t['id']} has {len(ids)} tokens > {limit} "
-                                       "(--max-length or the model's context)")
+            common.check_length(where, t["id"], len(ids), args.max_length, model)
             mask = [0] * len(ids)
             for s, e in spans:
                 mask[s:e] = [1] * (e - s)
@@ -147,21 +143,14 @@ def main() -> None:
     common.save_args(out, args)
     resume = common.Resume(out, args, lambda: {n: p for n, p in model.named_parameters() if p.requires_grad},
                            optimizer, scheduler, lambda d: common.save_policy(model, d, args.model))
-    start = resume.load()
-    metrics = resume.metrics(start)
-    step = start["step"] if start else 0
+    step = resume.load()
+    metrics = resume.metrics()
     bar = tqdm(total=total_steps, initial=step, desc="bc", unit="step")
     seen_tokens, t0 = 0, time.time()
     model.train()
-    for epoch in range(start["epoch"] if start else 0, args.epochs):
-        if start and epoch == start["epoch"]:
-            rng.setstate(start["epoch_rng"])  # the same shuffle as the run that was stopped
-        epoch_rng = rng.getstate()
+    for epoch in resume.epochs(args.epochs, rng):
         micro = list(batches(train_seqs, args.batch_size, pad_id, True, rng))
-        groups = range(0, len(micro), args.grad_accum)
-        for pos, i in enumerate(groups, 1):
-            if start and epoch == start["epoch"] and pos <= start["pos"]:
-                continue
+        for i in resume.groups(len(micro), args.grad_accum):
             group = micro[i:i + args.grad_accum]
             n_act = sum(m.sum().item() for _, _, m in group)
             loss_sum = 0.0
@@ -182,8 +171,7 @@ def main() -> None:
                       "tokens_per_s": seen_tokens / (time.time() - t0)}
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
-            if step % args.save_every == 0 or pos == len(groups):
-                resume.save(step, epoch, pos, epoch_rng)
+            resume.step_done(step)
             bar.set_postfix(loss=f"{loss_sum:.3f}", epoch=epoch)
             bar.update()
     bar.close()

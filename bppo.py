@@ -94,11 +94,7 @@ def main() -> None:
     common.seed_everything(args.seed)
     rng = random.Random(args.seed)
     trajs = common.read_jsonl(args.data)
-    for t in trajs:
-        for i, s in enumerate(t["steps"]):
-            if not isinstance(s.get("advantage"), (int, float)) or not math.isfinite(s["advantage"]):
-                raise common.UserError(f"{args.data}: trajectory {t['id']} step {i} has no finite 'advantage'; "
-                                       "critic.py writes it")
+    common.require_step_field(trajs, args.data, "advantage", "critic.py")
 
     ref_base = common.read_meta(args.reference, "policy")["base_model"]
     # One base, two adapters: `policy` (trainable, starts as π_old) and `ref` (frozen π_ref).
@@ -109,12 +105,10 @@ def main() -> None:
     model.load_adapter(str(Path(args.reference) / "policy"), adapter_name="ref", is_trainable=False)
 
     dev = model.device
-    batches, limit = [], min(args.max_length, model.config.max_position_embeddings)
+    batches = []
     for t in trajs:
         ids, spans = common.tokenize_chat(tok, t["messages"])
-        if len(ids) > limit:
-            raise common.UserError(f"{args.data}: trajectory {t['id']} has {len(ids)} tokens > {limit} "
-                                   "(--max-length or the model's context)")
+        common.check_length(args.data, t["id"], len(ids), args.max_length, model)
         mask = torch.zeros(1, len(ids), dtype=torch.long)
         adv = torch.zeros(1, len(ids))
         for (s, e), step in zip(spans, t["steps"]):
@@ -144,22 +138,15 @@ def main() -> None:
     # π_old and π_ref log-probs above come from the starting weights; a resumed run recomputes them the same way.
     resume = common.Resume(out, args, lambda: {n: p for n, p in model.named_parameters() if ".policy." in n},
                            optimizer, None, lambda d: common.save_policy(model, d, base_model))
-    start = resume.load()
-    metrics = resume.metrics(start)
-    step = start["step"] if start else 0
+    step = resume.load()
+    metrics = resume.metrics()
     bar = tqdm(total=math.ceil(len(batches) / args.grad_accum) * args.epochs, initial=step, desc=args.objective,
                unit="step")
     t0, trained = time.time(), 0
-    for epoch in range(start["epoch"] if start else 0, args.epochs):
-        if start and epoch == start["epoch"]:
-            rng.setstate(start["epoch_rng"])  # the same shuffle as the run that was stopped
-        epoch_rng = rng.getstate()
+    for epoch in resume.epochs(args.epochs, rng):
         order = list(range(len(batches)))
         rng.shuffle(order)
-        groups = range(0, len(order), args.grad_accum)
-        for pos, i in enumerate(groups, 1):
-            if start and epoch == start["epoch"] and pos <= start["pos"]:
-                continue
+        for i in resume.groups(len(order), args.grad_accum):
             group = [batches[j] for j in order[i:i + args.grad_accum]]
             step_adv = torch.tensor([a for b in group for a in b["step_adv"]])
             mean, std = (step_adv.mean(), step_adv.std()) if args.normalize_adv and len(step_adv) > 1 else (0.0, 1.0)
@@ -192,8 +179,7 @@ def main() -> None:
             metrics.write(json.dumps({"step": step, "epoch": epoch, **logs,
                                       "trajectories_per_s": trained / (time.time() - t0)}) + "\n")
             metrics.flush()
-            if step % args.save_every == 0 or pos == len(groups):
-                resume.save(step, epoch, pos, epoch_rng)
+            resume.step_done(step)
             bar.set_postfix(loss=f"{logs['loss']:.4f}", kl=f"{logs['kl_ref']:.4f}", clip=f"{logs['clip_frac']:.2f}")
             bar.update()
     bar.close()

@@ -119,6 +119,22 @@ def from_eto(record: dict, path: str) -> dict:
             "messages": messages, "steps": steps, "reward": reward, "success": reward > 0}
 
 
+def require_step_field(trajs: list[dict], path: str, field: str, writer: str) -> None:
+    """Every step must carry a finite number `field`, which an earlier stage (`writer`) adds to the schema."""
+    for t in trajs:
+        for i, s in enumerate(t["steps"]):
+            if not isinstance(s.get(field), (int, float)) or not math.isfinite(s[field]):
+                raise UserError(f"{path}: trajectory {t['id']} step {i} has no finite '{field}'; {writer} writes it")
+
+
+def check_length(where: str, traj_id: str, n_tokens: int, max_length: int, model) -> None:
+    """A chat longer than --max-length or the model's context is an error, never silently cut."""
+    limit = min(max_length, model.config.max_position_embeddings)
+    if n_tokens > limit:
+        raise UserError(f"{where}: trajectory {traj_id} has {n_tokens} tokens > {limit} "
+                        "(--max-length or the model's context)")
+
+
 def read_jsonl(path: str | os.PathLike, allow_empty: bool = False) -> list[dict]:
     """Read and validate every trajectory; a bad line raises UserError naming file, line and field."""
     path = str(path)
@@ -234,25 +250,27 @@ RESUME_IGNORED = ("threads", "save_every")  # may change between a run and its r
 class Resume:
     """A training stage's state in OUT/resume/: trainable tensors, optimizer (and scheduler), step counters and
     RNG states in state.pt, plus the stage's own loadable checkpoint. Written atomically every --save-every
-    optimizer steps, so a killed run continues where it stopped, and a NaN stops it with the last good state.
+    optimizer steps and at each epoch's end, so a killed run continues where it stopped (same data order, same
+    RNG: bit for bit the uninterrupted result), and a NaN stops it with the last good state.
 
-        resume = Resume(out, args, tensors, optimizer, scheduler, save_checkpoint)
-        start = resume.load()        # None, or {"step", "epoch", "pos", "epoch_rng"} to continue from
-        ...                          # skip the groups of start["epoch"] before start["pos"]
-        resume.save(step, epoch, pos, epoch_rng)
+        step = resume.load()                             # 0, or the optimizer step to continue from
+        for epoch in resume.epochs(args.epochs, rng):    # restores the stopped epoch's shuffle
+            for i in resume.groups(n, args.grad_accum):  # skips the groups already trained
+                ...; step += 1; resume.step_done(step)
     """
 
-    def __init__(self, out, args, tensors, optimizer, scheduler=None, save_checkpoint=None):
+    def __init__(self, out, args, tensors, optimizer, scheduler, save_checkpoint):
         self.dir, self.tensors, self.optimizer, self.scheduler = Path(out) / "resume", tensors, optimizer, scheduler
         self.args = {k: v for k, v in asdict(args).items() if k not in RESUME_IGNORED}
-        self.save_checkpoint = save_checkpoint
+        self.save_every, self.save_checkpoint = args.save_every, save_checkpoint
+        self.start: dict | None = None  # {"step", "epoch", "pos", "epoch_rng"} of the stopped run
         self.last_saved = 0
 
-    def load(self) -> dict | None:
+    def load(self) -> int:
         import torch
         path = self.dir / "state.pt"
         if not path.is_file():
-            return None
+            return 0
         state = torch.load(path, weights_only=False)
         if state["args"] != self.args:
             changed = sorted(k for k in self.args if state["args"].get(k) != self.args[k])
@@ -265,28 +283,48 @@ class Resume:
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
-        self.last_saved = state["progress"]["step"]
+        self.start, self.last_saved = state["progress"], state["progress"]["step"]
         print(f"resuming from {self.dir} at optimizer step {self.last_saved}")
-        return state["progress"]
+        return self.last_saved
 
-    def save(self, step: int, epoch: int, pos: int, epoch_rng) -> None:
+    def epochs(self, n: int, rng: random.Random):
+        """range(n) from the stopped epoch on; rng is put back to where that epoch's shuffle started."""
+        for epoch in range(self.start["epoch"] if self.start else 0, n):
+            if self.start and epoch == self.start["epoch"]:
+                rng.setstate(self.start["epoch_rng"])
+            self._epoch, self._epoch_rng = epoch, rng.getstate()
+            yield epoch
+
+    def groups(self, n: int, size: int):
+        """The start index of each optimizer step's group of n items, without those the stopped run trained."""
+        starts = range(0, n, size)
+        done = self.start["pos"] if self.start and self._epoch == self.start["epoch"] else 0
+        for pos, i in enumerate(starts, 1):
+            if pos > done:
+                self._pos, self._last = pos, pos == len(starts)
+                yield i
+
+    def step_done(self, step: int) -> None:
+        if step % self.save_every == 0 or self._last:
+            self.save(step)
+
+    def save(self, step: int) -> None:
         import torch
+        progress = {"step": step, "epoch": self._epoch, "pos": self._pos, "epoch_rng": self._epoch_rng}
         with atomic_dir(self.dir) as tmp:
             torch.save({"args": self.args, "tensors": {k: v.detach().cpu() for k, v in self.tensors().items()},
                         "optimizer": self.optimizer.state_dict(),
                         "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                        "torch_rng": torch.get_rng_state(),
-                        "progress": {"step": step, "epoch": epoch, "pos": pos, "epoch_rng": epoch_rng}},
+                        "torch_rng": torch.get_rng_state(), "progress": progress},
                        tmp / "state.pt")
-            if self.save_checkpoint is not None:
-                self.save_checkpoint(tmp)
+            self.save_checkpoint(tmp)
         self.last_saved = step
 
-    def metrics(self, start: dict | None):
+    def metrics(self):
         """metrics.jsonl opened for appending, cut back to the resumed step (lines past it are replayed)."""
         path = self.dir.parent / "metrics.jsonl"
-        keep = [] if start is None or not path.exists() else \
-            [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= start["step"]]
+        keep = [] if self.start is None or not path.exists() else \
+            [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= self.start["step"]]
         path.write_text("".join(line + "\n" for line in keep))
         return open(path, "a")
 

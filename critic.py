@@ -203,11 +203,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     common.seed_everything(args.seed)
     trajs = common.read_jsonl(args.data)
-    for t in trajs:
-        for i, s in enumerate(t["steps"]):
-            if not isinstance(s.get("aux_reward"), (int, float)) or not math.isfinite(s["aux_reward"]):
-                raise common.UserError(f"{args.data}: trajectory {t['id']} step {i} has no finite 'aux_reward'; "
-                                       "relabel.py writes it")
+    common.require_step_field(trajs, args.data, "aux_reward", "relabel.py")
     base_model = common.read_meta(args.policy, "policy")["base_model"]
 
     rng = random.Random(args.seed)
@@ -219,11 +215,8 @@ def main() -> None:
     from peft import get_peft_model
     base, tok = common.load_base(base_model, args.load_in_4bit, args.grad_ckpt)
     encoded = [encode(tok, t) for t in trajs]
-    limit = min(args.max_length, base.config.max_position_embeddings)
     for t, (ids, _, _) in zip(trajs, encoded):
-        if ids.shape[1] > limit:
-            raise common.UserError(f"{args.data}: trajectory {t['id']} has {ids.shape[1]} tokens > {limit} "
-                                   "(--max-length or the model's context)")
+        common.check_length(args.data, t["id"], ids.shape[1], args.max_length, base)
     model = get_peft_model(base, common.lora_config(args.lora_r, args.lora_alpha, 0.0), adapter_name="critic")
     heads = Heads(base.config.hidden_size).to(base.device)
     optimizer = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.requires_grad], "lr": args.lr},
@@ -237,23 +230,16 @@ def main() -> None:
         out, args, lambda: {**{n: p for n, p in model.named_parameters() if p.requires_grad},
                             **{f"heads.{k}": v for k, v in heads.state_dict().items()}},  # Q̄ included
         optimizer, None, lambda d: save_critic(model, heads, d, base_model))
-    start = resume.load()
-    metrics = resume.metrics(start)
+    step = resume.load()
+    metrics = resume.metrics()
     n_steps = math.ceil(len(train) / args.grad_accum) * args.epochs
     model.train()  # gradient checkpointing is only active in train mode (dropout is 0 in the critic)
-    step = start["step"] if start else 0
     bar = tqdm(total=n_steps, initial=step, desc="critic", unit="step")
     transitions, t0 = 0, time.time()
-    for epoch in range(start["epoch"] if start else 0, args.epochs):
-        if start and epoch == start["epoch"]:
-            rng.setstate(start["epoch_rng"])  # the same shuffle as the run that was stopped
-        epoch_rng = rng.getstate()
+    for epoch in resume.epochs(args.epochs, rng):
         order = list(train)
         rng.shuffle(order)
-        groups = range(0, len(order), args.grad_accum)
-        for pos, i in enumerate(groups, 1):
-            if start and epoch == start["epoch"] and pos <= start["pos"]:
-                continue
+        for i in resume.groups(len(order), args.grad_accum):
             group = order[i:i + args.grad_accum]
             n_trans = sum(len(trajs[j]["steps"]) for j in group)
             logs = defaultdict(float)
@@ -272,8 +258,7 @@ def main() -> None:
             metrics.write(json.dumps({"step": step, "epoch": epoch, **logs,
                                       "transitions_per_s": transitions / (time.time() - t0)}) + "\n")
             metrics.flush()
-            if step % args.save_every == 0 or pos == len(groups):
-                resume.save(step, epoch, pos, epoch_rng)
+            resume.step_done(step)
             bar.set_postfix(loss_q=f"{logs['loss_q']:.4f}", loss_v=f"{logs['loss_v']:.4f}")
             bar.update()
     bar.close()
