@@ -13,6 +13,8 @@ planner, WebShop's scripted purchase), each step with a short templated thought:
 Speed: `--num-envs` episodes play in lock-step with one batched generate per turn (left padding), and each
 conversation keeps its KV cache between turns, so a turn only prefills the new observation tokens
 (bench/rollout_speed.py measures both against one-at-a-time full re-prefill).
+An episode whose chat would outgrow `--max-length` ends there, written with `"truncated": true`, so that every
+chat written here fits the training stages (same limit).
 Trajectories are appended one line per episode and flushed; a rerun with the same --out skips the ids
 already written, so a killed run loses at most the episodes in flight.
 """
@@ -52,6 +54,9 @@ class Args:
     """sampling temperature; 0 = greedy (evaluation)"""
     max_new_tokens: int = 128
     """longest answer per turn, in tokens"""
+    max_length: int = 4096
+    """longest chat in tokens (or the model's context if shorter): an episode whose next turn would not fit
+    ends there, unfinished, as the training stages refuse longer chats (their --max-length, same default)"""
     num_envs: int = 8
     """environments played in lock-step, one batched generate per turn"""
     kv_cache: bool = True
@@ -111,13 +116,18 @@ def play_expert(env: TextEnv, task: Task, traj_id: str, iteration: int) -> dict 
 class Conversation:
     """One episode in flight: its chat, its steps and the tokens the model has seen so far."""
 
-    def __init__(self, env: TextEnv, task: Task, traj_id: str, tokenizer):
-        self.env, self.task, self.traj_id, self.tok = env, task, traj_id, tokenizer
+    def __init__(self, env: TextEnv, task: Task, traj_id: str, tokenizer, room: int):
+        """room: the most tokens the chat may hold before the next answer (the length limit less one answer)."""
+        self.env, self.task, self.traj_id, self.tok, self.room = env, task, traj_id, tokenizer, room
         self.obs0, self.info = env.reset(task)
         self.messages = common.first_messages(env.system_prompt, self.info["instruction"], self.obs0)
         self.steps: list[dict] = []
-        self.score, self.won, self.done = self.info.get("score", 0.0), False, False
+        self.score, self.won, self.done, self.truncated = self.info.get("score", 0.0), False, False, False
         self.ids = common.tokenize_chat(tokenizer, self.messages, add_generation_prompt=True)[0]
+        if len(self.ids) > room:
+            raise common.UserError(f"{task.key}: the first prompt has {len(self.ids)} tokens, more than the "
+                                   f"{room} that leave room for an answer (--max-length less --max-new-tokens, "
+                                   "or the model's context)")
 
     def suffix_ids(self, answer: str) -> list[int]:
         """Tokens after the answer's own tokens: end of turn, the observation, the next generation prompt.
@@ -149,10 +159,19 @@ class Conversation:
         if not self.done:
             self.messages.append(common.observation_message(step["observation"]))
 
+    def grow(self, tokens: list[int]) -> None:
+        """Add the answer and the next observation's tokens; a chat that no longer leaves room for an answer
+        ends here (its last observation stays in the step, as when the step cap ends an episode)."""
+        self.ids += tokens
+        if len(self.ids) > self.room:
+            self.done = self.truncated = True
+            self.messages.pop()
+
     def result(self, iteration: int) -> dict:
         self.steps[-1]["done"] = True
-        return trajectory(self.env, self.task, self.traj_id, "policy", iteration, self.info, self.obs0,
+        traj = trajectory(self.env, self.task, self.traj_id, "policy", iteration, self.info, self.obs0,
                           self.messages, self.steps, self.score, self.won)
+        return traj | {"truncated": True} if self.truncated else traj
 
 
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,12 +210,14 @@ def play_policy(convs: list[Conversation], model, tok, args: Args):
             new_mask[b, :n] = 1  # the answer's tokens; its end-of-turn and the padding after it are masked out
             text = tok.decode(row[:n], skip_special_tokens=True)
             conv.act(text, logp[b, :n + (n < len(row))].sum().item())
+            if not conv.done:
+                suffix = conv.suffix_ids(text)
+                conv.grow(row[:n] + suffix)
             if conv.done:
                 yield conv
                 continue
             keep.append(b)
-            next_rows.append(conv.suffix_ids(text))
-            conv.ids += row[:n] + next_rows[-1]
+            next_rows.append(suffix)
         convs = [convs[b] for b in keep]
         if not convs:
             break
@@ -247,14 +268,15 @@ def main() -> None:
     target = min(args.num_tasks or len(tasks), len(tasks))
     source = "expert" if args.policy == "expert" else "policy"
     todo = [(task, f"{task.key}/{source}{k}") for task in tasks[:target] for k in range(args.samples_per_task)]
-    written, steps, skipped, t0 = 0, 0, 0, time.time()
+    written, steps, skipped, truncated, t0 = 0, 0, 0, 0, time.time()
     bar = tqdm(total=len(todo), desc=f"{args.env} {args.split}", unit="episode")
     bar.update(sum(i in done_ids for _, i in todo))
 
     def record(traj: dict) -> None:
-        nonlocal written, steps
+        nonlocal written, steps, truncated
         common.append_jsonl(out, traj)
         written, steps = written + traj["success"], steps + len(traj["steps"])
+        truncated += traj.get("truncated", False)
         bar.update()
         bar.set_postfix(success=f"{written}/{bar.n}", steps_per_s=f"{steps / (time.time() - t0):.1f}")
 
@@ -274,9 +296,10 @@ def main() -> None:
                 continue
             record(traj)
     else:
+        room = min(args.max_length, model.config.max_position_embeddings) - args.max_new_tokens
         for start in range(0, len(pending), args.num_envs):
             wave = pending[start:start + args.num_envs]
-            convs = [Conversation(env, task, i, tok) for env, (task, i) in zip(envs, wave)]
+            convs = [Conversation(env, task, i, tok, room) for env, (task, i) in zip(envs, wave)]
             for conv in play_policy(convs, model, tok, args):
                 record(conv.result(args.iteration))
     bar.close()
@@ -293,6 +316,9 @@ def main() -> None:
                                               "|---|---|---|---|---|---|\n" + row + "\n")
     elapsed = time.time() - t0
     print(f"{len(trajs)} trajectories in {out}; this run: {steps} env steps at {steps / elapsed:.1f} steps/s")
+    if truncated:
+        print(f"{truncated} episodes ended early: their chat reached --max-length {args.max_length} "
+              "(or the model's context)")
     if skipped:
         print(f"skipped {skipped} tasks whose expert path is longer than --max-steps {envs[0].max_steps}")
     print(row)

@@ -39,7 +39,8 @@ def run_stage(main) -> None:
 
 # ----------------------------------------------------------------------------- trajectory schema
 # One trajectory per JSONL line. Later stages add per-step fields (aux_reward, rules, value,
-# advantage, logp_old, logp_ref) without renaming these.
+# advantage, logp_old, logp_ref) without renaming these; collect.py marks an episode cut at --max-length
+# with "truncated": true.
 NUMBER = (int, float)
 TRAJ_FIELDS = {"id": str, "env": str, "task": str, "variation": int, "split": str, "source": str,
                "iteration": int, "instruction": str, "initial_observation": str, "messages": list,

@@ -67,6 +67,16 @@ def _patch_engine(heap: str, timeout: float) -> None:
     sw.launch_gateway, sw.GatewayParameters = capped_launch, timed_parameters
 
 
+def java_list(jlist) -> list[str]:
+    """A Java list as a Python one. Iterating a py4j list ends quietly when the JVM dies mid-way (py4j turns
+    the error into StopIteration), so a dead engine would pass for a short task list or gold path; the
+    final size() call raises instead."""
+    items = [str(x) for x in jlist]
+    if len(items) != jlist.size():
+        raise ConnectionError(f"the JVM returned {len(items)} of {jlist.size()} list items")
+    return items
+
+
 def with_looks(gold: list[str]) -> list[str]:
     """The gold path with a `look around` after every move that is not already followed by one.
 
@@ -120,19 +130,24 @@ class SciWorldEnv(TextEnv):
         self._actions.append(action)
         return result
 
-    def _with_restart(self, fn, arg):
-        """Run fn(arg); if the JVM died or hung, start a new one, replay this episode's actions, and run it again."""
+    def _with_restart(self, fn, arg, attempts: int = 3):
+        """Run fn(arg); if the JVM died or hung, start a new one, replay this episode's actions, and run it again
+        (a failure during the replay counts as one more attempt)."""
         from py4j.protocol import Py4JError
-        try:
-            return fn(arg)
-        except (Py4JError, ConnectionError) as e:
-            print(f"ScienceWorld's JVM failed ({type(e).__name__}); restarting it and replaying "
-                  f"{len(self._actions)} actions of {self._task.key}", file=sys.stderr)
-            self._kill()
-            self._reset(self._task)
-            for action in self._actions:
-                self._step(action)
-            return fn(arg)
+        for attempt in range(1, attempts + 1):
+            try:
+                if attempt > 1:
+                    self._kill()
+                    self._reset(self._task)
+                    for action in self._actions:
+                        self._step(action)
+                return fn(arg)
+            except (Py4JError, ConnectionError) as e:
+                if attempt == attempts:
+                    raise EnvError(f"ScienceWorld's JVM failed {attempts} times in a row on {self._task.key} "
+                                   f"({type(e).__name__}: {e})") from e
+                print(f"ScienceWorld's JVM failed ({type(e).__name__}); restarting it and replaying "
+                      f"{len(self._actions)} actions of {self._task.key}", file=sys.stderr)
 
     def _kill(self) -> None:
         if self._sw is not None:
@@ -145,14 +160,14 @@ class SciWorldEnv(TextEnv):
 
     def _reset(self, task: Task) -> tuple[str, dict]:
         sw = self._engine()
-        if task.name not in sw.get_task_names():
+        if task.name not in java_list(sw.server.getTaskNames()):
             raise EnvError(f"unknown ScienceWorld task {task.name!r}")
         simplification = self.simplification
         if "power-component" in task.name or "conductivity" in task.name:
             simplification = ",".join(s for s in simplification.split(",") if s != "noElectricalAction")
         sw.load(task.name, task.variation, simplification, generateGoldPath=True)
         sw.server.reset()
-        self._gold = with_looks(sw.get_gold_action_sequence())
+        self._gold = with_looks(java_list(sw.server.getGoldActionSequence()))
         obs = sw.server.step("look around")
         # Some tasks start with part of the score (e.g. an open door); it is no step's reward.
         self._t, self._score = 0, max(int(round(100 * sw.server.getScore())), 0)

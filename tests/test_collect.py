@@ -47,6 +47,28 @@ def test_policy_rollouts_batched_and_cached_equal_one_at_a_time(tiny_policy, tmp
                "--out", str(tmp_path / "bc"))
 
 
+def test_chat_past_max_length_ends_the_episode(tiny_policy, tmp_path):
+    from transformers import AutoTokenizer
+    argv = ["collect.py", "--env", "webshop", "--policy", str(tiny_policy), "--num-tasks", "2", "--num-envs", "2",
+            "--temperature", "0", "--max-steps", "4", "--max-new-tokens", "12"]
+    run_script(*argv, "--out", str(tmp_path / "full.jsonl"))
+    full = common.read_jsonl(tmp_path / "full.jsonl")
+    tok = AutoTokenizer.from_pretrained(common.resolve_model("tiny"))
+    first = max(len(common.tokenize_chat(tok, t["messages"][:2], add_generation_prompt=True)[0]) for t in full)
+    limit = first + 12 + 4  # room for the first answer, not for the observation after it
+    proc = run_script(*argv, "--max-length", str(limit), "--out", str(tmp_path / "cut.jsonl"))
+    cut = common.read_jsonl(tmp_path / "cut.jsonl")
+    assert all(len(t["steps"]) == 4 and "truncated" not in t for t in full)
+    for t, f in zip(cut, full):
+        assert t["truncated"] and len(t["steps"]) == 1 and t["steps"][0]["done"]
+        assert t["steps"][0]["text"] == f["steps"][0]["text"] and t["messages"][-1]["role"] == "assistant"
+        assert len(common.tokenize_chat(tok, t["messages"])[0]) <= limit
+    assert "2 episodes ended early" in proc.stdout
+    # the cut chats fit the training stages' own check at the same limit
+    run_script("bc.py", "--data", str(tmp_path / "cut.jsonl"), "--model", "tiny", "--epochs", "1",
+               "--max-length", str(limit), "--out", str(tmp_path / "bc"))
+
+
 def test_killed_rollout_resumes_without_duplicates(tiny_policy, tmp_path):
     import signal
     import subprocess

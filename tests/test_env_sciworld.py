@@ -1,4 +1,6 @@
 """The real ScienceWorld engine through our thin adapter."""
+import pytest
+
 from envs import Task, canonical_split
 
 
@@ -49,6 +51,36 @@ def test_dead_jvm_is_restarted_and_the_episode_replayed(capfd):
     obs, reward, done, info = env.step("go to hallway")
     assert "restarting it and replaying 2 actions" in capfd.readouterr().err
     assert obs == "You move to the hallway." and not done
+    env.close()
+
+
+def test_a_list_cut_short_by_a_dead_jvm_raises():
+    """py4j ends the iteration of a Java list quietly when the JVM dies mid-way; java_list must raise instead
+    (collect once took a task list cut short for "unknown task" and stopped)."""
+    from py4j.protocol import Py4JError
+
+    from envs import make_env
+    from envs.sciworld import java_list
+    env = make_env("sciworld")
+    env.reset(Task("sciworld", "find-animal", 0, "train"))
+    gold = env._sw.server.getGoldActionSequence()
+    assert java_list(gold)[:2] == ["open door to greenhouse", "go to greenhouse"]
+
+    class CutShort:  # the same list as py4j hands it over when its iteration stops after the first item
+        def __iter__(self):
+            yield from list(gold)[:1]
+
+        size = gold.size
+
+    with pytest.raises(ConnectionError, match="1 of"):
+        java_list(CutShort())
+    iterator = iter(gold)
+    assert next(iterator) == "open door to greenhouse"
+    env.jvm().kill()
+    env.jvm().wait()
+    assert list(iterator) == []  # py4j: the JVM died mid-iteration, and the list just ends
+    with pytest.raises(Py4JError):
+        java_list(gold)  # the JVM is asked again at the end, and is gone
     env.close()
 
 
