@@ -113,11 +113,16 @@ def play_expert(env: TextEnv, task: Task, traj_id: str, iteration: int) -> dict 
     return trajectory(env, task, traj_id, "expert", iteration, info, obs0, messages, steps, score, won)
 
 
+def chat_room(args: Args, model) -> int:
+    """The most tokens a chat may hold before an answer: the length limit less one answer."""
+    return min(args.max_length, model.config.max_position_embeddings) - args.max_new_tokens
+
+
 class Conversation:
     """One episode in flight: its chat, its steps and the tokens the model has seen so far."""
 
     def __init__(self, env: TextEnv, task: Task, traj_id: str, tokenizer, room: int):
-        """room: the most tokens the chat may hold before the next answer (the length limit less one answer)."""
+        """room: chat_room(), the most tokens the chat may hold before the next answer."""
         self.env, self.task, self.traj_id, self.tok, self.room = env, task, traj_id, tokenizer, room
         self.obs0, self.info = env.reset(task)
         self.messages = common.first_messages(env.system_prompt, self.info["instruction"], self.obs0)
@@ -296,7 +301,7 @@ def main() -> None:
                 continue
             record(traj)
     else:
-        room = min(args.max_length, model.config.max_position_embeddings) - args.max_new_tokens
+        room = chat_room(args, model)
         for start in range(0, len(pending), args.num_envs):
             wave = pending[start:start + args.num_envs]
             convs = [Conversation(env, task, i, tok, room) for env, (task, i) in zip(envs, wave)]

@@ -168,6 +168,17 @@ def auc(pos: list[float], neg: list[float]) -> float:
     return sum((p > n) + 0.5 * (p == n) for p in pos for n in neg) / (len(pos) * len(neg))
 
 
+def first_state_ceiling(tasks: list, success: list[bool]) -> float:
+    """The highest AUC any function of the first state can reach: V_0 is the same for every attempt at one
+    task (same prompt, same first observation), so the best it can do is rank tasks by their success rate.
+    Hybrid data caps it: an expert success and a policy failure on one task always tie."""
+    groups = defaultdict(list)
+    for task, ok in zip(tasks, success):
+        groups[task].append(ok)
+    rate = {task: sum(oks) / len(oks) for task, oks in groups.items()}
+    return auc([rate[t] for t, ok in zip(tasks, success) if ok], [rate[t] for t, ok in zip(tasks, success) if not ok])
+
+
 # ----------------------------------------------------------------------------- checkpoints
 
 
@@ -266,20 +277,20 @@ def main() -> None:
     save_critic(model, heads, out, base_model)
     resume.done()
 
-    # Process rewards for every trajectory, and the first check that V learned something: V_0 of
-    # successes against failures on trajectories the critic never trained on.
+    # Process rewards for every trajectory, and the first check that V learned something: V of successes against
+    # failures on trajectories the critic never trained on, at the first state and averaged over all states.
     model.eval()
-    scored, v0 = [], defaultdict(lambda: {"success": [], "failure": [], "held_pos": [], "held_neg": []})
+    scored, v0, heldout = [], defaultdict(lambda: {"success": [], "failure": []}), []
     with torch.no_grad():
         for k, traj in enumerate(tqdm(trajs, desc="values", unit="traj")):
             V, Q, _ = (x.cpu() for x in values(model, heads, *encoded[k]))
             adv = process_rewards(traj, V, Q, args)
             steps = [{**s, "value": float(V[t]), "advantage": float(adv[t])} for t, s in enumerate(traj["steps"])]
             scored.append({**traj, "steps": steps})
-            group = v0[(traj["env"], traj["source"])]
-            group["success" if traj["success"] else "failure"].append(float(V[0]))
+            v0[(traj["env"], traj["source"])]["success" if traj["success"] else "failure"].append(float(V[0]))
             if k in held:
-                v0["held"]["held_pos" if traj["success"] else "held_neg"].append(float(V[0]))
+                heldout.append(((traj["env"], traj["task"], traj["variation"]), traj["success"], float(V[0]),
+                                float(V.mean())))
     out_data = Path(args.out_data or out / "scored.jsonl")
     out_data.parent.mkdir(parents=True, exist_ok=True)
     common.write_jsonl(out_data, scored)
@@ -288,15 +299,22 @@ def main() -> None:
         return sum(xs) / len(xs) if xs else float("nan")
 
     print(f"{'env':<10} {'source':<7} {'V_0 success':>12} {'V_0 failure':>12} {'n':>6}")
-    for (env, source), g in sorted((k, g) for k, g in v0.items() if k != "held"):
+    for (env, source), g in sorted(v0.items()):
         print(f"{env:<10} {source:<7} {mean(g['success']):>12.3f} {mean(g['failure']):>12.3f} "
               f"{len(g['success']) + len(g['failure']):>6}")
-    held_auc = auc(v0["held"]["held_pos"], v0["held"]["held_neg"])
-    report = {"heldout_auc_v0": held_auc, "heldout": len(held),
-              "heldout_successes": len(v0["held"]["held_pos"]), "process_reward": args.process_reward}
+    tasks, ok, first, average = zip(*heldout) if heldout else ((), (), (), ())
+
+    def held_auc(scores):
+        return auc([x for x, y in zip(scores, ok) if y], [x for x, y in zip(scores, ok) if not y])
+
+    report = {"heldout_auc_v0": held_auc(first), "heldout_auc_v0_ceiling": first_state_ceiling(tasks, ok),
+              "heldout_auc_mean_v": held_auc(average), "heldout": len(held), "heldout_successes": sum(ok),
+              "process_reward": args.process_reward}
     common.write_json(out / "eval.json", report)
-    print(f"held-out AUC of V_0, success vs failure: {held_auc:.3f} on {len(held)} trajectories "
-          f"({report['heldout_successes']} successes)")
+    print(f"held-out AUC, success vs failure, on {len(held)} trajectories ({report['heldout_successes']} "
+          f"successes): V_0 {report['heldout_auc_v0']:.3f} (the most any function of the first state could "
+          f"reach here: {report['heldout_auc_v0_ceiling']:.3f}); V averaged over the states "
+          f"{report['heldout_auc_mean_v']:.3f}")
     print(f"critic written to {out}; scored trajectories to {out_data}")
 
 

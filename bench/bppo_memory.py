@@ -1,5 +1,6 @@
 """Memory of a BPPO update: bppo.py's shared base (π, π_old, π_ref as adapters of one base model, π_old and π_ref
-log-probabilities precomputed) versus the plain way, three full models (base + adapter each) in memory.
+log-probabilities precomputed) versus the plain way, three full models (base + adapter each) in memory; both
+with gradient checkpointing (bppo.py's CPU default is off, whose activations would hide what the adapters save).
 
 Each way runs in a fresh process; the figure is peak RSS above the process's RSS once torch, transformers and
 peft are imported (what the method itself costs), with the total beside it.
@@ -80,7 +81,7 @@ def main() -> None:
         common.write_jsonl(work / "scored.jsonl", trajs)
         shared = measure("bppo.py (shared base)", SHARED,
                          ["bppo.py", "--data", str(work / "scored.jsonl"), "--policy", str(work / "policy"),
-                          "--reference", str(work / "policy"), "--grad-accum", str(args.num_trajs),
+                          "--reference", str(work / "policy"), "--grad-accum", str(args.num_trajs), "--grad-ckpt", "True",
                           "--out", str(work / "out")])
         separate = measure("three models", SEPARATE, [str(work / "scored.jsonl"), str(work / "policy")])
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The benchmark suite on this machine: rollouts (batched + KV cache vs one env with re-prefill), critic
 # training (one forward per trajectory vs per step), BPPO memory (shared base vs three models) and the
-# per-stage memory table (a 7B shape on a GPU; the tiny model on a CPU). About 13 minutes on 2 CPU cores.
+# per-stage memory table (a 7B shape on a GPU; the tiny model on a CPU). 11 minutes on 2 CPU cores.
 #   bash bench/run_all.sh                 # POLICY=runs/evolve-sciworld/0/bc to time a trained policy
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,8 +19,8 @@ run() {  # run NAME COMMAND...: its full output to OUT/NAME.log, its summary lin
   echo >> "$OUT/summary.md"
 }
 : > "$OUT/summary.md"
-run rollouts python bench/rollout_speed.py --policy "$POLICY" --num-envs 8 --num-tasks 8 --max-steps 8 --max-new-tokens 32
-run critic python bench/critic_speed.py --num-trajs 3
+run rollouts python bench/rollout_speed.py --policy "$POLICY" --num-envs 8 --num-tasks 8 --max-steps 6 --max-new-tokens 32
+run critic python bench/critic_speed.py --num-trajs 2
 run bppo_memory python bench/bppo_memory.py
 run stage_memory python bench/gpu_memory.py "${shape[@]}"
 cat "$OUT/summary.md"

@@ -87,6 +87,15 @@ def test_auc():
     assert critic.auc([0.5], [0.5]) == 0.5
 
 
+def test_first_state_ceiling_by_hand():
+    # task a: one success, one failure (rate 1/2); b: two failures (0); c: one success (1). Successes a, c
+    # against failures a, b, b: a-a ties (1/2), a beats both b's (2), c beats all three (3): 5.5 / 6.
+    tasks, ok = ["a", "a", "b", "b", "c"], [True, False, False, False, True]
+    assert critic.first_state_ceiling(tasks, ok) == 5.5 / 6
+    # expert success and policy failure on the same task: nothing about the first state tells them apart
+    assert critic.first_state_ceiling(["a", "a", "b", "b"], [True, False, True, False]) == 0.5
+
+
 def test_critic_cli_trains_saves_and_reloads(tiny_policy, sciworld_expert, tmp_path):
     hybrid = tmp_path / "hybrid.jsonl"
     run_script("relabel.py", str(sciworld_expert), "--out", str(hybrid))
