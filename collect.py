@@ -115,7 +115,7 @@ def play_expert(env: TextEnv, task: Task, traj_id: str, iteration: int) -> dict 
 
 def chat_room(args: Args, model) -> int:
     """The most tokens a chat may hold before an answer: the length limit less one answer."""
-    return min(args.max_length, model.config.max_position_embeddings) - args.max_new_tokens
+    return common.length_limit(args.max_length, model) - args.max_new_tokens
 
 
 class Conversation:

@@ -128,9 +128,14 @@ def require_step_field(trajs: list[dict], path: str, field: str, writer: str) ->
                 raise UserError(f"{path}: trajectory {t['id']} step {i} has no finite '{field}'; {writer} writes it")
 
 
+def length_limit(max_length: int, model) -> int:
+    """The longest chat a stage takes: --max-length, or the model's context if that is shorter."""
+    return min(max_length, model.config.max_position_embeddings)
+
+
 def check_length(where: str, traj_id: str, n_tokens: int, max_length: int, model) -> None:
     """A chat longer than --max-length or the model's context is an error, never silently cut."""
-    limit = min(max_length, model.config.max_position_embeddings)
+    limit = length_limit(max_length, model)
     if n_tokens > limit:
         raise UserError(f"{where}: trajectory {traj_id} has {n_tokens} tokens > {limit} "
                         "(--max-length or the model's context)")

@@ -72,8 +72,9 @@ def java_list(jlist) -> list[str]:
     the error into StopIteration), so a dead engine would pass for a short task list or gold path; the
     final size() call raises instead."""
     items = [str(x) for x in jlist]
-    if len(items) != jlist.size():
-        raise ConnectionError(f"the JVM returned {len(items)} of {jlist.size()} list items")
+    size = jlist.size()
+    if len(items) != size:
+        raise ConnectionError(f"the JVM returned {len(items)} of {size} list items")
     return items
 
 
