@@ -97,12 +97,15 @@ def main() -> None:
     common.require_step_field(trajs, args.data, "advantage", "critic.py")
 
     ref_base = common.read_meta(args.reference, "policy")["base_model"]
-    # One base, two adapters: `policy` (trainable, starts as π_old) and `ref` (frozen π_ref).
+    # One base, two adapters: `policy` (trainable, starts as π_old) and `ref` (frozen π_ref). In iteration 1
+    # π_old is π_ref (both the BC checkpoint): one adapter and one pass give both log-probabilities.
+    same_ref = Path(args.policy).resolve() == Path(args.reference).resolve()
     model, tok, base_model = common.load_policy(args.policy, args.load_in_4bit, trainable=True,
                                                 grad_ckpt=args.grad_ckpt)
     if ref_base != base_model:
         raise common.UserError(f"--reference {args.reference}: a policy on another base model than {base_model}")
-    model.load_adapter(str(Path(args.reference) / "policy"), adapter_name="ref", is_trainable=False)
+    if not same_ref:
+        model.load_adapter(str(Path(args.reference) / "policy"), adapter_name="ref", is_trainable=False)
 
     dev = model.device
     batches = []
@@ -117,11 +120,13 @@ def main() -> None:
                                                                                               t["steps"]]})
     model.eval()
     with torch.no_grad():
-        for name, key in (("policy", "logp_old"), ("ref", "logp_ref")):
+        for name, key in [("policy", "logp_old")] + ([] if same_ref else [("ref", "logp_ref")]):
             model.set_adapter(name)
             for b in tqdm(batches, desc=f"log π_{'old' if name == 'policy' else 'ref'}", unit="traj"):
                 b[key] = common.action_logprobs(model, b["ids"].to(dev), torch.ones_like(b["ids"]).to(dev),
                                                 b["mask"].to(dev)).cpu()
+                if same_ref:
+                    b["logp_ref"] = b[key]
     model.set_adapter("policy")
     params = [p for n, p in model.named_parameters() if ".policy." in n]
     for p in params:

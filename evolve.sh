@@ -16,7 +16,7 @@ fi
 if [ "${PRESET:-}" = 7b ]; then  # one 24 GB GPU, paper scale: every task of the env, its own step cap
   : "${MODEL:=meta-llama/Llama-2-7b-chat-hf}" "${TASKS=}" "${NUM_DEMOS:=0}" "${NUM_TASKS:=0}" "${NUM_EVAL:=0}" "${MAX_STEPS=}"
   : "${BC_EPOCHS:=3}" "${CRITIC_EPOCHS:=2}" "${BPPO_LR:=1e-5}" "${GRAD_ACCUM:=16}" "${BC_ACCUM:=16}" "${CRITIC_ACCUM:=16}"
-  : "${MAX_NEW_TOKENS:=128}"
+  : "${MAX_NEW_TOKENS:=128}" "${SAMPLES:=3}" "${CRITIC_TAU:=0.005}"
 elif [ -n "${PRESET:-}" ]; then
   echo "PRESET=$PRESET: the only preset is 7b" >&2; exit 2
 fi
@@ -24,12 +24,14 @@ fi
 # The default: ScienceWorld's three lifespan families (walk outside, look, focus on the right animal: expert
 # 2-12 steps; a wrong `focus on` ends the episode), sized so that the whole loop fits in 90 minutes on 2 CPU
 # cores. Demonstrations come from the first NUM_DEMOS training variations, rollouts from the first NUM_TASKS of
-# them. An answer is cut at MAX_NEW_TOKENS: the expert's are at most 29 tokens, and a batched turn decodes as long
-# as its longest answer, so rambling answers (a third of the BC policy's hit 128) set the pace. See README, "The loop".
+# them. The critic takes a few dozen optimizer steps, so its target Q head tracks Q at CRITIC_TAU=0.1 (IQL's
+# 0.005 assumes ~10^6 steps: it would leave Q̄ near its random init). An answer is cut at MAX_NEW_TOKENS: the
+# expert's are at most 29 tokens, and a batched turn decodes as long as its longest answer, so rambling answers
+# (a third of the BC policy's hit 128) set the pace. See README, "The loop".
 : "${TASKS=lifespan-longest-lived lifespan-shortest-lived lifespan-longest-lived-then-shortest-lived}"
-: "${NUM_DEMOS:=18}" "${NUM_TASKS:=12}" "${NUM_EVAL:=8}" "${SAMPLES:=3}" "${TEMPERATURE:=0.7}" "${MAX_STEPS=12}"
-: "${BC_EPOCHS:=3}" "${CRITIC_EPOCHS:=2}" "${BPPO_EPOCHS:=1}" "${BPPO_LR:=1e-4}" "${NUM_ENVS:=8}" "${GRAD_ACCUM:=4}"
-: "${BC_ACCUM:=2}" "${CRITIC_ACCUM:=2}" "${MAX_NEW_TOKENS:=48}"
+: "${NUM_DEMOS:=18}" "${NUM_TASKS:=12}" "${NUM_EVAL:=8}" "${SAMPLES:=2}" "${TEMPERATURE:=0.7}" "${MAX_STEPS=12}"
+: "${BC_EPOCHS:=3}" "${CRITIC_EPOCHS:=1}" "${BPPO_EPOCHS:=1}" "${BPPO_LR:=1e-4}" "${NUM_ENVS:=8}" "${GRAD_ACCUM:=4}"
+: "${BC_ACCUM:=2}" "${CRITIC_ACCUM:=1}" "${CRITIC_TAU:=0.1}" "${MAX_NEW_TOKENS:=48}"
 : "${ABLATION:=none}" "${PROCESS_REWARD:=gae}" "${KEEP_SELF:=0}"
 
 relabel_flags=() critic_extra=() bppo_extra=()
@@ -41,10 +43,11 @@ case "$ABLATION" in  # the rows of the paper's Table 3
   awr) bppo_extra=(--objective awr) ;;
   *) echo "ABLATION=$ABLATION: use none, no_rr, no_wiql, no_gae or awr" >&2; exit 2 ;;
 esac
-critic_flags=(--process-reward "$PROCESS_REWARD" --epochs "$CRITIC_EPOCHS" --grad-accum "$CRITIC_ACCUM" "${critic_extra[@]}")
+critic_flags=(--process-reward "$PROCESS_REWARD" --epochs "$CRITIC_EPOCHS" --grad-accum "$CRITIC_ACCUM" --tau "$CRITIC_TAU"
+              "${critic_extra[@]}")
 bppo_flags=(--epochs "$BPPO_EPOCHS" --lr "$BPPO_LR" --grad-accum "$GRAD_ACCUM" "${bppo_extra[@]}")
 settings=$(for v in ENV MODEL ITERS TASKS NUM_DEMOS NUM_TASKS NUM_EVAL SAMPLES TEMPERATURE MAX_STEPS BC_EPOCHS \
-                    CRITIC_EPOCHS BPPO_EPOCHS BPPO_LR NUM_ENVS GRAD_ACCUM BC_ACCUM CRITIC_ACCUM MAX_NEW_TOKENS ABLATION PROCESS_REWARD \
+                    CRITIC_EPOCHS BPPO_EPOCHS BPPO_LR NUM_ENVS GRAD_ACCUM BC_ACCUM CRITIC_ACCUM CRITIC_TAU MAX_NEW_TOKENS ABLATION PROCESS_REWARD \
                     KEEP_SELF; do
   printf '%-15s %s\n' "$v" "${!v}"; done)
 printf 'RUN            %s\n%s\n' "$RUN" "$settings"

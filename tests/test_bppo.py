@@ -1,6 +1,7 @@
 """bppo.py: eq. 7's clipped surrogate by hand, and a real update that moves log-probabilities the right way."""
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -75,3 +76,28 @@ def test_missing_advantage_is_a_clear_error(tiny_policy, sciworld_expert, tmp_pa
     proc = run_script("bppo.py", "--data", str(sciworld_expert), "--policy", str(tiny_policy),
                       "--reference", str(tiny_policy), "--out", str(tmp_path / "o"), check=False)
     assert proc.returncode == 2 and "no finite 'advantage'" in proc.stderr
+
+
+def test_reference_equal_to_policy_takes_one_pass_with_the_same_result(tiny_policy, sciworld_expert, tmp_path):
+    # Iteration 1 passes the BC checkpoint as both π_old and π_ref; bppo.py then skips the second log-prob pass.
+    # A copy of the checkpoint at another path takes both passes: the updates (KL term included) must agree.
+    trajs = common.read_jsonl(sciworld_expert)
+    for traj, a in zip(trajs, (1.0, -1.0)):
+        for s in traj["steps"]:
+            s["advantage"] = a
+    data = tmp_path / "scored.jsonl"
+    common.write_jsonl(data, trajs)
+    copy = tmp_path / "reference"
+    shutil.copytree(tiny_policy, copy)
+    runs = {}
+    for name, ref in (("same", tiny_policy), ("copy", copy)):
+        out = tmp_path / name
+        proc = run_script("bppo.py", "--data", str(data), "--policy", str(tiny_policy), "--reference", str(ref),
+                          "--out", str(out), "--epochs", "3", "--lr", "1e-2", "--grad-accum", "2", "--kl-coef", "1")
+        runs[name] = (proc.stderr.count("log π_ref"), [json.loads(line) for line in
+                                                       (out / "metrics.jsonl").read_text().splitlines()])
+    assert runs["same"][0] == 0 and runs["copy"][0] > 0
+    assert runs["same"][1][-1]["kl_ref"] > 0  # the KL term was live, so logp_ref mattered
+    for a, b in zip(runs["same"][1], runs["copy"][1]):
+        assert a["loss"] == b["loss"] and a["kl_ref"] == b["kl_ref"]
+    assert sum_logp(tmp_path / "same", trajs[0]) == sum_logp(tmp_path / "copy", trajs[0])

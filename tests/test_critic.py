@@ -100,8 +100,10 @@ def test_critic_cli_trains_saves_and_reloads(tiny_policy, sciworld_expert, tmp_p
     hybrid = tmp_path / "hybrid.jsonl"
     run_script("relabel.py", str(sciworld_expert), "--out", str(hybrid))
     out = tmp_path / "critic"
-    run_script("critic.py", "--data", str(hybrid), "--policy", str(tiny_policy), "--out", str(out),
-               "--epochs", "2", "--grad-accum", "1")
+    proc = run_script("critic.py", "--data", str(hybrid), "--policy", str(tiny_policy), "--out", str(out),
+                      "--epochs", "2", "--grad-accum", "1")
+    # 4 steps at IQL's tau 0.005 leave Q̄ at 1 - 0.995^4 = 2% of the way to Q: the run says so
+    assert "--tau 0.005 over 4 steps moves the target Q head only 2% of the way" in proc.stdout
     scored = common.read_jsonl(out / "scored.jsonl")
     assert all("value" in s and "advantage" in s for t in scored for s in t["steps"])
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
