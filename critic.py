@@ -108,11 +108,17 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -
 
 
 class Heads(torch.nn.Module):
-    """V, Q and the target Q̄: scalar linear heads in fp32 on the last hidden state."""
+    """V, Q and the target Q̄: scalar linear heads in fp32 on the last hidden state.
+
+    They start at zero, so V = Q = 0 before training: a default-initialised linear layer on a last hidden state
+    of norm ~56 (SmolLM2) starts at about ±1.4, beyond the returns' range, and a short run spends its updates
+    undoing that offset (see README, Critic)."""
 
     def __init__(self, hidden: int):
         super().__init__()
         self.v, self.q = torch.nn.Linear(hidden, 1), torch.nn.Linear(hidden, 1)
+        for p in (*self.v.parameters(), *self.q.parameters()):
+            torch.nn.init.zeros_(p)
         self.q_target = copy.deepcopy(self.q).requires_grad_(False)
 
     @torch.no_grad()
@@ -166,6 +172,14 @@ def auc(pos: list[float], neg: list[float]) -> float:
     if not pos or not neg:
         return float("nan")
     return sum((p > n) + 0.5 * (p == n) for p in pos for n in neg) / (len(pos) * len(neg))
+
+
+def correlation(xs: list[float], ys: list[float]) -> float:
+    """Pearson's r; nan when either side is constant."""
+    x, y = torch.tensor(xs, dtype=torch.float64), torch.tensor(ys, dtype=torch.float64)
+    x, y = x - x.mean(), y - y.mean()
+    denom = (x.norm() * y.norm()).item()
+    return (x @ y).item() / denom if denom > 0 else float("nan")
 
 
 def first_state_ceiling(tasks: list, success: list[bool]) -> float:
@@ -283,8 +297,11 @@ def main() -> None:
 
     # Process rewards for every trajectory, and the first check that V learned something: V of successes against
     # failures on trajectories the critic never trained on, at the first state and averaged over all states.
+    # And whether V fits what it regresses on: its correlation, state by state, with the discounted return-to-go
+    # of the same rewards (GAE with V = 0 and λ = 1 is exactly that return).
     model.eval()
     scored, v0, heldout = [], defaultdict(lambda: {"success": [], "failure": []}), []
+    fit = {"train": ([], []), "heldout": ([], [])}
     with torch.no_grad():
         for k, traj in enumerate(tqdm(trajs, desc="values", unit="traj")):
             V, Q, _ = (x.cpu() for x in values(model, heads, *encoded[k]))
@@ -292,6 +309,10 @@ def main() -> None:
             steps = [{**s, "value": float(V[t]), "advantage": float(adv[t])} for t, s in enumerate(traj["steps"])]
             scored.append({**traj, "steps": steps})
             v0[(traj["env"], traj["source"])]["success" if traj["success"] else "failure"].append(float(V[0]))
+            r = torch.tensor([s["env_reward"] + s["aux_reward"] for s in traj["steps"]])
+            returns = gae(r, torch.zeros(len(r) + 1), args.gamma, 1.0)
+            fit["heldout" if k in held else "train"][0].extend(V.tolist())
+            fit["heldout" if k in held else "train"][1].extend(returns.tolist())
             if k in held:
                 heldout.append(((traj["env"], traj["task"], traj["variation"]), traj["success"], float(V[0]),
                                 float(V.mean())))
@@ -313,12 +334,15 @@ def main() -> None:
 
     report = {"heldout_auc_v0": held_auc(first), "heldout_auc_v0_ceiling": first_state_ceiling(tasks, ok),
               "heldout_auc_mean_v": held_auc(average), "heldout": len(held), "heldout_successes": sum(ok),
+              "return_corr_train": correlation(*fit["train"]), "return_corr_heldout": correlation(*fit["heldout"]),
               "process_reward": args.process_reward}
     common.write_json(out / "eval.json", report)
     print(f"held-out AUC, success vs failure, on {len(held)} trajectories ({report['heldout_successes']} "
           f"successes): V_0 {report['heldout_auc_v0']:.3f} (the most any function of the first state could "
           f"reach here: {report['heldout_auc_v0_ceiling']:.3f}); V averaged over the states "
           f"{report['heldout_auc_mean_v']:.3f}")
+    print(f"correlation of V with the discounted return, state by state: {report['return_corr_train']:.3f} on "
+          f"training trajectories, {report['return_corr_heldout']:.3f} held out")
     print(f"critic written to {out}; scored trajectories to {out_data}")
 
 

@@ -1,5 +1,6 @@
 """critic.py: the weighted-IQL equations against hand-worked cases, the head positions, and a real run."""
 import json
+import math
 
 import pytest
 import torch
@@ -70,6 +71,10 @@ def test_heads_read_the_state_and_action_ends(tiny, sciworld_expert):
 def test_one_forward_per_trajectory_equals_one_per_step(tiny, sciworld_expert):
     model, tok = tiny
     heads = critic.Heads(model.config.hidden_size)
+    assert all((p == 0).all() for p in heads.parameters())  # V = Q = 0 before training
+    torch.manual_seed(0)
+    for p in heads.parameters():  # zero heads would make any two read-outs agree
+        torch.nn.init.normal_(p)
     traj = common.read_jsonl(sciworld_expert)[0]
     ids, v_pos, q_pos = critic.encode(tok, traj)
     with torch.no_grad():
@@ -85,6 +90,14 @@ def test_auc():
     assert critic.auc([0.9, 0.8], [0.1, 0.2]) == 1.0
     assert critic.auc([0.1], [0.9]) == 0.0
     assert critic.auc([0.5], [0.5]) == 0.5
+
+
+def test_correlation_by_hand():
+    assert critic.correlation([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0)
+    assert critic.correlation([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    # x = (-1, 0, 1), y = (1, -2, 1) after centring: x·y = 0
+    assert critic.correlation([0, 1, 2], [1, -2, 1]) == pytest.approx(0.0)
+    assert math.isnan(critic.correlation([1, 1], [0, 1]))
 
 
 def test_first_state_ceiling_by_hand():
@@ -113,6 +126,8 @@ def test_critic_cli_trains_saves_and_reloads(tiny_policy, sciworld_expert, tmp_p
     with torch.no_grad():
         V, _, _ = critic.values(model, heads, ids, v_pos, q_pos)
     torch.testing.assert_close(V, torch.tensor([s["value"] for s in scored[0]["steps"]]), atol=1e-5, rtol=0)
+    report = json.loads((out / "eval.json").read_text())
+    assert -1 <= report["return_corr_train"] <= 1  # 2 trajectories: none held out, so only the training figure
     # the advantages are GAE on r_env with these values
     r = torch.tensor([s["env_reward"] for s in scored[0]["steps"]])
     want = critic.gae(r, torch.cat([V, torch.zeros(1)]), 0.99, 0.95)
