@@ -141,9 +141,14 @@ def values(model, heads: Heads, ids, v_pos, q_pos):
     return heads.v(hv).squeeze(-1), heads.q(hq).squeeze(-1), heads.q_target(hq.detach()).squeeze(-1)
 
 
+def critic_rewards(traj: dict) -> torch.Tensor:
+    """r_t = r_env + r_aux of every step: what Q regresses on (eq. 5); the auxiliary part trains the critic only."""
+    return torch.tensor([s["env_reward"] + s["aux_reward"] for s in traj["steps"]])
+
+
 def iql_loss(traj: dict, V, Q, Q_target, args: Args) -> tuple[torch.Tensor, dict]:
     steps = traj["steps"]
-    r = torch.tensor([s["env_reward"] + s["aux_reward"] for s in steps], device=V.device)
+    r = critic_rewards(traj).to(V.device)
     w = torch.ones(len(steps)) if args.no_weights else iql_weights(
         len(steps), traj["reward"] > 0, not args.no_temporal_weight, not args.no_success_weight)
     w = w.to(V.device)
@@ -309,10 +314,10 @@ def main() -> None:
             steps = [{**s, "value": float(V[t]), "advantage": float(adv[t])} for t, s in enumerate(traj["steps"])]
             scored.append({**traj, "steps": steps})
             v0[(traj["env"], traj["source"])]["success" if traj["success"] else "failure"].append(float(V[0]))
-            r = torch.tensor([s["env_reward"] + s["aux_reward"] for s in traj["steps"]])
-            returns = gae(r, torch.zeros(len(r) + 1), args.gamma, 1.0)
-            fit["heldout" if k in held else "train"][0].extend(V.tolist())
-            fit["heldout" if k in held else "train"][1].extend(returns.tolist())
+            r = critic_rewards(traj)
+            values_seen, returns_seen = fit["heldout" if k in held else "train"]
+            values_seen.extend(V.tolist())
+            returns_seen.extend(gae(r, torch.zeros(len(r) + 1), args.gamma, 1.0).tolist())
             if k in held:
                 heldout.append(((traj["env"], traj["task"], traj["variation"]), traj["success"], float(V[0]),
                                 float(V.mean())))
