@@ -165,8 +165,7 @@ def process_rewards(traj: dict, V: torch.Tensor, Q: torch.Tensor, args: Args) ->
     if args.process_reward == "gae":
         return gae(r_env, v_ext, args.gamma, args.gae_lambda)
     if args.process_reward == "gae_aux":
-        r_aux = torch.tensor([s["aux_reward"] for s in steps])
-        return gae(r_env + r_aux, v_ext, args.gamma, args.gae_lambda)
+        return gae(critic_rewards(traj), v_ext, args.gamma, args.gae_lambda)
     if args.process_reward == "q_minus_v":
         return Q - V
     return r_env + args.gamma * v_ext[1:] - V  # shaping
