@@ -38,13 +38,12 @@ def sciworld_expert(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_policy(tmp_path_factory) -> Path:
     """A policy checkpoint on the tiny model, as bc.py writes it (untrained LoRA: fast, deterministic)."""
-    import torch
     from peft import get_peft_model
 
     import common
     out = tmp_path_factory.mktemp("tiny_policy")
     model, _ = common.load_base("tiny")
-    torch.manual_seed(0)  # LoRA's A matrices are random: the same checkpoint in every session
+    common.seed_everything(0)  # LoRA's A matrices are random: the same checkpoint in every session
     model = get_peft_model(model, common.lora_config(8, 16, 0.0), adapter_name="policy")
     common.save_policy(model, out, "tiny")
     return out

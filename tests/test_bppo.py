@@ -64,7 +64,7 @@ def test_update_raises_positive_and_lowers_negative_actions(objective, tiny_poli
     out = tmp_path / "next"
     # lr 1e-3: at 1e-2 Adam moves every LoRA weight by ~lr per step whatever its gradient, the update leaves the
     # region where the surrogate predicts the change, and over 6 LoRA inits the sign of Δ log π was a coin flip.
-    # At 1e-3 all 6 moved the right way, by 2-5 nats (bad) and 2-5 (good, bppo) or 16-20 (good, awr).
+    # At 1e-3 all 6 moved the right way, by 2-3 nats (bad) and 2-5 (good, bppo) or 16-20 (good, awr).
     run_script("bppo.py", "--data", str(data), "--policy", str(tiny_policy), "--reference", str(tiny_policy),
                "--out", str(out), "--epochs", "3", "--lr", "1e-3", "--grad-accum", "2", "--kl-coef", "0",
                "--objective", objective)
