@@ -54,6 +54,32 @@ def tiny():
     return common.load_base("tiny")
 
 
+def test_fit_heads_reaches_the_iql_fixed_point_by_hand():
+    # One-hot features, so the heads can fit every state exactly and the fixed point of eqs. 1, 2, 4, 5 is the
+    # tabular one. Trajectory A (success) s0 -a-> s1 -b-> end with rewards 0, 1; B (failure) s0 -c-> end, 0.
+    # Q(s1,b) = 1 and V(s1) = 1 (one action); Q(s0,a) = 0 + 0.99 · 1; Q(s0,c) = 0. V(s0) is the weighted
+    # 0.7-expectile of {0.99 with w = 1.25 (A's step 1: 0.5 · (1/2 + 1) + 0.5), 0 with w = 1.0 (B's step 1)}:
+    # 0.7 · 1.25 · 0.99 / (0.7 · 1.25 + 0.3 · 1.0) = 0.73723...
+    e = torch.eye(5)
+    step = {"env_reward": 0.0, "aux_reward": 0.0}
+    a = {"reward": 1.0, "steps": [step, {**step, "env_reward": 1.0}]}
+    b = {"reward": 0.0, "steps": [step]}
+    feats = [(e[[0, 1]], e[[2, 3]]), (e[[0]], e[[4]])]
+    heads = critic.Heads(5)
+    args = critic.Args(data="-", policy="-", refit_ridge=1e-9, refit_rounds=5)
+    report = critic.fit_heads(heads, feats, [a, b], args)
+    with torch.no_grad():
+        V, Q = heads.v(e[:2]).squeeze(-1), heads.q(e[2:]).squeeze(-1)
+    torch.testing.assert_close(V, torch.tensor([0.7 * 1.25 * 0.99 / (0.7 * 1.25 + 0.3), 1.0]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(Q, torch.tensor([0.99, 1.0, 0.0]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(heads.q_target.weight, heads.q.weight)
+    assert report["last_round_change"] < 1e-6
+    # a ridge penalty pulls every state towards the mean: V(s1) no longer reaches its return
+    critic.fit_heads(heads, feats, [a, b], critic.Args(data="-", policy="-", refit_ridge=1.0))
+    with torch.no_grad():
+        assert heads.v(e[1]).item() < 0.95
+
+
 def test_heads_read_the_state_and_action_ends(tiny, sciworld_expert):
     model, tok = tiny
     traj = common.read_jsonl(sciworld_expert)[0]
