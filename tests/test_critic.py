@@ -154,6 +154,8 @@ def test_critic_cli_trains_saves_and_reloads(tiny_policy, sciworld_expert, tmp_p
     torch.testing.assert_close(V, torch.tensor([s["value"] for s in scored[0]["steps"]]), atol=1e-5, rtol=0)
     report = json.loads((out / "eval.json").read_text())
     assert -1 <= report["return_corr_train"] <= 1  # 2 trajectories: none held out, so only the training figure
+    # the saved heads are the refitted ones (the reload above matches them), and 20 rounds of fitted IQL converge
+    assert report["refit_last_round_change"] < 1e-2 and report["refit_loss_q"] >= 0
     # the advantages are GAE on r_env with these values
     r = torch.tensor([s["env_reward"] for s in scored[0]["steps"]])
     want = critic.gae(r, torch.cat([V, torch.zeros(1)]), 0.99, 0.95)
