@@ -126,6 +126,10 @@ class Heads(torch.nn.Module):
             torch.nn.init.zeros_(p)
         self.q_target = copy.deepcopy(self.q).requires_grad_(False)
 
+    def forward(self, hv: torch.Tensor, hq: torch.Tensor):
+        """V_t, Q_t, Q̄_t from the hidden states at the V and Q read positions."""
+        return self.v(hv).squeeze(-1), self.q(hq).squeeze(-1), self.q_target(hq.detach()).squeeze(-1)
+
     @torch.no_grad()
     def update_target(self, tau: float) -> None:
         for p, tp in zip(self.q.parameters(), self.q_target.parameters()):
@@ -147,8 +151,7 @@ def features(model, ids, v_pos, q_pos) -> tuple[torch.Tensor, torch.Tensor]:
 
 def values(model, heads: Heads, ids, v_pos, q_pos):
     """V_t, Q_t, Q̄_t for every step from one forward pass over the whole trajectory."""
-    hv, hq = features(model, ids, v_pos, q_pos)
-    return heads.v(hv).squeeze(-1), heads.q(hq).squeeze(-1), heads.q_target(hq.detach()).squeeze(-1)
+    return heads(*features(model, ids, v_pos, q_pos))
 
 
 def critic_rewards(traj: dict) -> torch.Tensor:
@@ -188,11 +191,11 @@ def fit_heads(heads: Heads, feats: list[tuple[torch.Tensor, torch.Tensor]], traj
     hq = torch.cat([q for _, q in feats]).double().cpu()
     r = torch.cat([critic_rewards(t) for t in trajs]).double()
     w = torch.cat([step_weights(t, args) for t in trajs]).double()
-    # index of V_{t+1} in hv for every step; the last step of a trajectory bootstraps from 0
+    # index of V_{t+1} in hv for every step; `last` marks the steps that bootstrap from 0 instead
     ends = torch.cumsum(torch.tensor([len(t["steps"]) for t in trajs]), 0)
     last = torch.zeros(len(r), dtype=torch.bool)
     last[ends - 1] = True
-    nxt = torch.where(last, 0, torch.arange(1, len(r) + 1).clamp(max=len(r) - 1))
+    nxt = torch.arange(1, len(r) + 1).clamp(max=len(r) - 1)
     both = torch.cat([hv, hq])
     mu, sd = both.mean(0), both.std(0).clamp_min(1e-3)
     ones = torch.ones(len(r), 1, dtype=torch.float64)
@@ -384,7 +387,7 @@ def main() -> None:
     fit = {"train": ([], []), "heldout": ([], [])}
     with torch.no_grad():
         for k, traj in enumerate(trajs):
-            V, Q = (head(h).squeeze(-1).cpu() for head, h in ((heads.v, feats[k][0]), (heads.q, feats[k][1])))
+            V, Q, _ = (x.cpu() for x in heads(*feats[k]))
             adv = process_rewards(traj, V, Q, args)
             steps = [{**s, "value": float(V[t]), "advantage": float(adv[t])} for t, s in enumerate(traj["steps"])]
             scored.append({**traj, "steps": steps})
