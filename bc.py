@@ -14,6 +14,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import tyro
@@ -25,7 +26,8 @@ import common
 @dataclass
 class Args:
     data: tuple[str, ...]
-    """expert trajectory JSONL files (this project's schema or ETO's released format)"""
+    """expert trajectory files: this project's JSONL, or conversations released elsewhere (ETO's *_sft.json,
+    AgentGym, AgentTuning; JSON list or JSONL)"""
     out: str = "runs/bc"
     """output folder: the `policy` adapter, qevolve.json, args.json, metrics.jsonl"""
     model: str = common.DEFAULT_MODEL
@@ -54,6 +56,8 @@ class Args:
     """4-bit nf4 base (QLoRA); default: on with CUDA, off on CPU"""
     grad_ckpt: bool | None = None
     """gradient checkpointing; default: on with CUDA (activation memory), off on CPU (1.4x faster at 135M)"""
+    env: Literal["sciworld", "alfworld", "webshop"] | None = None
+    """environment of released records whose id and file name do not name it"""
     seed: int = 1
     threads: int | None = None
     """CPU threads for torch (default: torch's choice)"""
@@ -96,9 +100,9 @@ def main() -> None:
     rng = random.Random(args.seed)
 
     # Data first: a bad file must fail before the model is loaded.
-    trajs = [t for path in args.data for t in common.read_jsonl(path)]
+    trajs = [t for path in args.data for t in common.read_jsonl(path, env=args.env)]
     if args.eval_data:
-        train, held = trajs, [t for path in args.eval_data for t in common.read_jsonl(path)]
+        train, held = trajs, [t for path in args.eval_data for t in common.read_jsonl(path, env=args.env)]
     else:
         tasks = sorted({(t["env"], t["task"], t["variation"]) for t in trajs})
         rng.shuffle(tasks)
@@ -112,7 +116,7 @@ def main() -> None:
     def encode(items, where):
         seqs = []
         for t in items:
-            ids, spans = common.tokenize_chat(tokenizer, t["messages"])
+            ids, spans = common.tokenize_steps(tokenizer, t)
             common.check_length(where, t["id"], len(ids), args.max_length, model)
             mask = [0] * len(ids)
             for s, e in spans:

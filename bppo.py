@@ -110,7 +110,7 @@ def main() -> None:
     dev = model.device
     batches = []
     for t in trajs:
-        ids, spans = common.tokenize_chat(tok, t["messages"])
+        ids, spans = common.tokenize_steps(tok, t)
         common.check_length(args.data, t["id"], len(ids), args.max_length, model)
         mask = torch.zeros(1, len(ids), dtype=torch.long)
         adv = torch.zeros(1, len(ids))

@@ -20,9 +20,11 @@ already written, so a killed run loses at most the episodes in flight.
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import tyro
@@ -30,6 +32,7 @@ from tqdm import tqdm
 
 import common
 from envs import Task, TextEnv, make_env
+from envs.sciworld import eto_task_name
 
 
 @dataclass
@@ -49,7 +52,11 @@ class Args:
     samples_per_task: int = 1
     """episodes per task (the paper samples 3 per training task)"""
     max_steps: int | None = None
-    """step cap per episode (default: the paper's, ScienceWorld 24 / ALFWorld 30 / WebShop 10)"""
+    """step cap per episode (default: the paper's, ScienceWorld 24 / ALFWorld 30 / WebShop 10; with --prompt eto
+    ETO's: ALFWorld 40, WebShop 10, ScienceWorld 10-120 by task)"""
+    prompt: Literal["short", "eto"] = "short"
+    """short (our system prompt) | eto (ETO's instruction and one-shot example, the paper's protocol); expert
+    data and the policy's rollouts must use the same"""
     temperature: float = 0.7
     """sampling temperature; 0 = greedy (evaluation)"""
     max_new_tokens: int = 128
@@ -89,12 +96,24 @@ def env_step(env: TextEnv, text: str, t: int) -> tuple[dict, dict | None]:
     return step, info
 
 
-def play_expert(env: TextEnv, task: Task, traj_id: str, iteration: int) -> dict | None:
+def step_cap(args: Args, env: TextEnv, task: Task, paper_cap: int) -> int:
+    """--max-steps, else ETO's cap under --prompt eto (its task configs and ScienceWorld table), else the paper's."""
+    if args.max_steps:
+        return args.max_steps
+    if args.prompt != "eto":
+        return paper_cap
+    if env.name == "sciworld":
+        table = json.loads((common.ETO_DIR / "data_sciworld_max_steps.json").read_text())
+        return {eto_task_name(name): cap for name, cap in table.items()}[task.name]
+    return {"alfworld": 40, "webshop": 10}[env.name]
+
+
+def play_expert(env: TextEnv, task: Task, traj_id: str, iteration: int, prompt: common.Prompt) -> dict | None:
     """One expert episode as a trajectory; None when the expert's path is longer than the step cap."""
     obs0, info = env.reset(task)
     if (env.expert_steps() or 0) > env.max_steps:
         return None  # no policy could match it within the cap either, so it is no demonstration
-    messages = common.first_messages(env.system_prompt, info["instruction"], obs0)
+    messages = prompt.first(info["instruction"], obs0)
     steps, score, won = [], info.get("score", 0.0), False
     for t in range(env.max_steps):
         action = env.expert_action()
@@ -107,7 +126,7 @@ def play_expert(env: TextEnv, task: Task, traj_id: str, iteration: int) -> dict 
         steps.append(step)
         if step["done"]:
             break
-        messages.append(common.observation_message(step["observation"]))
+        messages.append(prompt.observation(step["observation"]))
     if not steps:
         return None
     return trajectory(env, task, traj_id, "expert", iteration, info, obs0, messages, steps, score, won)
@@ -121,11 +140,11 @@ def chat_room(args: Args, model) -> int:
 class Conversation:
     """One episode in flight: its chat, its steps and the tokens the model has seen so far."""
 
-    def __init__(self, env: TextEnv, task: Task, traj_id: str, tokenizer, room: int):
+    def __init__(self, env: TextEnv, task: Task, traj_id: str, tokenizer, room: int, prompt: common.Prompt):
         """room: chat_room(), the most tokens the chat may hold before the next answer."""
-        self.env, self.task, self.traj_id, self.tok, self.room = env, task, traj_id, tokenizer, room
+        self.env, self.task, self.traj_id, self.tok, self.room, self.prompt = env, task, traj_id, tokenizer, room, prompt
         self.obs0, self.info = env.reset(task)
-        self.messages = common.first_messages(env.system_prompt, self.info["instruction"], self.obs0)
+        self.messages = prompt.first(self.info["instruction"], self.obs0)
         self.steps: list[dict] = []
         self.score, self.won, self.done, self.truncated = self.info.get("score", 0.0), False, False, False
         self.ids = common.tokenize_chat(tokenizer, self.messages, add_generation_prompt=True)[0]
@@ -162,7 +181,7 @@ class Conversation:
         self.messages.append({"role": "assistant", "content": text})
         self.done = step["done"] or len(self.steps) >= self.env.max_steps
         if not self.done:
-            self.messages.append(common.observation_message(step["observation"]))
+            self.messages.append(self.prompt.observation(step["observation"]))
 
     def grow(self, tokens: list[int]) -> None:
         """Add the answer and the next observation's tokens; a chat that no longer leaves room for an answer
@@ -258,8 +277,8 @@ def main() -> None:
     if args.policy != "expert":
         model, tok, _ = common.load_policy(args.policy, args.load_in_4bit)
         model.eval()
-    kwargs = {"max_steps": args.max_steps} if args.max_steps else {}
-    envs = [make_env(args.env, **kwargs) for _ in range(1 if args.policy == "expert" else args.num_envs)]
+    envs = [make_env(args.env) for _ in range(1 if args.policy == "expert" else args.num_envs)]
+    prompt, paper_cap = common.Prompt(args.prompt, args.env, envs[0].system_prompt), envs[0].max_steps
     tasks = envs[0].tasks(args.split)
     if args.task_names:
         known = sorted({t.name for t in tasks})
@@ -290,7 +309,8 @@ def main() -> None:
         extra = iter(tasks[target:])  # tasks to take the place of those the expert cannot finish
         while pending:
             task, traj_id = pending.pop(0)
-            traj = play_expert(envs[0], task, traj_id, args.iteration)
+            envs[0].max_steps = step_cap(args, envs[0], task, paper_cap)
+            traj = play_expert(envs[0], task, traj_id, args.iteration, prompt)
             if traj is None or not traj["success"]:
                 skipped += traj is None
                 if traj is not None:
@@ -304,7 +324,9 @@ def main() -> None:
         room = chat_room(args, model)
         for start in range(0, len(pending), args.num_envs):
             wave = pending[start:start + args.num_envs]
-            convs = [Conversation(env, task, i, tok, room) for env, (task, i) in zip(envs, wave)]
+            for env, (task, _) in zip(envs, wave):
+                env.max_steps = step_cap(args, env, task, paper_cap)
+            convs = [Conversation(env, task, i, tok, room, prompt) for env, (task, i) in zip(envs, wave)]
             for conv in play_policy(convs, model, tok, args):
                 record(conv.result(args.iteration))
     bar.close()
@@ -325,7 +347,7 @@ def main() -> None:
         print(f"{truncated} episodes ended early: their chat reached --max-length {args.max_length} "
               "(or the model's context)")
     if skipped:
-        print(f"skipped {skipped} tasks whose expert path is longer than --max-steps {envs[0].max_steps}")
+        print(f"skipped {skipped} tasks whose expert path is longer than the step cap (--max-steps)")
     print(row)
 
 

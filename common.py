@@ -13,6 +13,7 @@ import random
 import re
 import shutil
 import sys
+import zlib
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -89,35 +90,8 @@ def validate_trajectory(traj: dict) -> None:
                 raise ValueError(f"missing field 'steps[{i}].{field}'")
             _check_type(step[field], kind, f"steps[{i}].{field}")
     n_assistant = sum(m["role"] == "assistant" for m in traj["messages"])
-    if n_assistant != len(traj["steps"]):
+    if n_assistant < len(traj["steps"]):  # earlier answers belong to the prompt (ETO's "OK", its one-shot example)
         raise ValueError(f"field 'steps': {len(traj['steps'])} steps but {n_assistant} assistant messages")
-
-
-def from_eto(record: dict, path: str) -> dict:
-    """ETO's released SFT format {"id", "conversations": [{"from", "value"}]} as an expert trajectory.
-
-    Every "gpt" turn becomes a step, as ETO's own SFT trains on every gpt turn."""
-    from envs import ENVS
-    env = next((e for e in ENVS if str(record["id"]).startswith(e) or e in Path(path).name), None)
-    if env is None:
-        raise ValueError("cannot tell the environment of this ETO record from its id or the file name")
-    roles = {"human": "user", "gpt": "assistant", "system": "system"}
-    messages = [{"role": roles.get(c.get("from"), "?"), "content": c.get("value")} for c in record["conversations"]]
-    steps = []
-    for k, m in enumerate(messages):
-        if m["role"] == "assistant":
-            nxt = messages[k + 1]["content"] if k + 1 < len(messages) else ""
-            action = parse_action(m["content"])
-            steps.append({"text": m["content"], "action": action, "observation": nxt.removeprefix("Observation: "),
-                          "env_reward": 0.0, "done": k + 1 >= len(messages) - 1, "format_ok": action is not None,
-                          "valid": True})
-    reward = float(record.get("reward", 1.0))
-    if steps:
-        steps[-1]["env_reward"] = reward
-    first_user = next((m["content"] for m in messages if m["role"] == "user"), "")
-    return {"id": str(record["id"]), "env": env, "task": str(record["id"]), "variation": 0, "split": "train",
-            "source": "expert", "iteration": 0, "instruction": first_user, "initial_observation": first_user,
-            "messages": messages, "steps": steps, "reward": reward, "success": reward > 0}
 
 
 def require_step_field(trajs: list[dict], path: str, field: str, writer: str) -> None:
@@ -141,33 +115,158 @@ def check_length(where: str, traj_id: str, n_tokens: int, max_length: int, model
                         "(--max-length or the model's context)")
 
 
-def read_jsonl(path: str | os.PathLike, allow_empty: bool = False) -> list[dict]:
-    """Read and validate every trajectory; a bad line raises UserError naming file, line and field."""
+def read_jsonl(path: str | os.PathLike, allow_empty: bool = False, env: str | None = None) -> list[dict]:
+    """Read and validate every trajectory; a bad record raises UserError naming file, line and field.
+
+    Besides our JSONL, reads expert data released elsewhere (see from_conversation): the same records as
+    JSONL, or a file that is one JSON list of them (ETO's `*_sft.json`), where `FILE:LINE` gives the line
+    the record starts on. `env` is the environment of records whose id and file name do not tell it."""
     path = str(path)
     if not os.path.isfile(path):
         raise UserError(f"{path}: no such file")
     out = []
-    with open(path, "rb") as f:  # lines end at "\n" only, so line numbers are what an editor shows
-        for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise UserError(f"{path}:{lineno}: not UTF-8 (byte {e.start + 1})") from None
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line.rstrip("\r\n"))
-                if isinstance(record, dict) and "conversations" in record and "steps" not in record:
-                    record = from_eto(record, path)
-                validate_trajectory(record)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
-            except (ValueError, KeyError, TypeError, AttributeError) as e:
-                raise UserError(f"{path}:{lineno}: {e}") from None
-            out.append(record)
+    for lineno, record in _json_records(path):
+        try:
+            if isinstance(record, dict) and "steps" not in record and ("conversations" in record or
+                                                                       "messages" in record):
+                record = from_conversation(record, path, env)
+            validate_trajectory(record)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise UserError(f"{path}:{lineno}: {e}") from None
+        out.append(record)
     if not out and not allow_empty:
         raise UserError(f"{path}: no trajectories in the file")
     return out
+
+
+def _json_records(path: str):
+    """(line number, parsed record) of a JSONL file, or of a file holding one JSON list."""
+    with open(path, "rb") as f:  # lines end at "\n" only, so line numbers are what an editor shows
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise UserError(f"{path}:{line}: not UTF-8 (byte {e.start + 1})") from None
+    if text.lstrip().startswith("["):
+        decoder, pos = json.JSONDecoder(), text.index("[") + 1
+        while True:  # one record at a time, so each error and record knows its line
+            pos = _skip_space(text, pos)
+            if text.startswith("]", pos):
+                return
+            try:
+                record, end = decoder.raw_decode(text, pos)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+            yield text.count("\n", 0, pos) + 1, record
+            pos = _skip_space(text, end)
+            if text.startswith(",", pos):
+                pos += 1
+            elif not text.startswith("]", pos):
+                line = text.count("\n", 0, pos) + 1
+                raise UserError(f"{path}:{line}: not valid JSON (expected ',' or ']' between records)")
+    for lineno, line in enumerate(text.split("\n"), 1):
+        if line.strip():
+            try:
+                yield lineno, json.loads(line.rstrip("\r"))
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+# ----------------------------------------------------------------------------- expert data from elsewhere
+# Speaker names of the public agent data sets: ETO / AgentGym / AgentTuning ("from"/"value") and OpenAI-style
+# ("role"/"content").
+SPEAKERS = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+ENV_NAMES = {"alfworld": "alfworld", "webshop": "webshop", "sciworld": "sciworld", "scienceworld": "sciworld"}
+ETO_DIR = Path(__file__).resolve().parent / "data" / "eto"
+
+
+def from_conversation(record: dict, path: str, env: str | None = None) -> dict:
+    """An expert trajectory from a conversation released elsewhere: ETO's `*_sft.json`, AgentGym's AgentTraj,
+    AgentTuning's AgentInstruct ({"id" or "item_id", "conversations": [{"from", "value"}]}), or OpenAI-style
+    {"messages": [{"role", "content"}]}.
+
+    The turns before the task are prompt, not steps: the instruction, the answers that act on nothing (its "OK"
+    acknowledgement) and ETO's one-shot example. Every later answer is a step, whose observation is the turn
+    after it; the trajectory ends with the record's reward (1 when it has none: expert data)."""
+    turns = record.get("conversations", record.get("messages"))
+    if not isinstance(turns, list) or not turns:
+        raise ValueError("field 'conversations': expected a non-empty list of turns")
+    messages = []
+    for i, turn in enumerate(turns):
+        speaker = turn.get("from", turn.get("role")) if isinstance(turn, dict) else None
+        content = turn.get("value", turn.get("content")) if isinstance(turn, dict) else None
+        if speaker not in SPEAKERS or not isinstance(content, str):
+            raise ValueError(f"field 'conversations[{i}]': expected {{from: human|gpt|system, value: string}} "
+                             "or {role: user|assistant|system, content: string}")
+        messages.append({"role": SPEAKERS[speaker], "content": content})
+    traj_id = str(record.get("id", record.get("item_id", "")))
+    env = next((ENV_NAMES[n] for n in ENV_NAMES if traj_id.lower().startswith(n)), None) or \
+        next((ENV_NAMES[n] for n in ENV_NAMES if n in Path(path).name.lower()), None) or env
+    if env is None:
+        raise ValueError(f"record {traj_id!r}: cannot tell its environment from the id or the file name; "
+                         "pass --env")
+    first = prompt_length(messages, env)
+    reward = record.get("reward", 1.0)
+    if not isinstance(reward, (int, float)) or isinstance(reward, bool):
+        raise ValueError(f"field 'reward': expected a number, got {json.dumps(reward)[:60]}")
+    steps = []
+    for k in range(first, len(messages)):
+        if messages[k]["role"] == "assistant":
+            text = messages[k]["content"]
+            nxt = messages[k + 1]["content"] if k + 1 < len(messages) else ""
+            action = parse_action(text)
+            steps.append({"text": text, "action": action, "observation": strip_observation(nxt),
+                          "env_reward": 0.0, "done": False, "format_ok": action is not None, "valid": True})
+    if not steps:
+        raise ValueError("field 'conversations': no answer after the task's first turn")
+    steps[-1].update(env_reward=float(reward), done=True)
+    task_turn = strip_observation(messages[first - 1]["content"])
+    return {"id": traj_id or f"{Path(path).stem}/{zlib.crc32(task_turn.encode()):08x}", "env": env,
+            "task": traj_id, "variation": 0, "split": "train", "source": "expert", "iteration": 0,
+            "instruction": task_turn, "initial_observation": task_turn,
+            "messages": messages[:first] + [m for m in messages[first:] if m["role"] != "system"],
+            "steps": steps, "reward": float(reward), "success": reward > 0}
+
+
+def prompt_length(messages: list[dict], env: str) -> int:
+    """How many leading messages are prompt: the last one is the task's first turn, before the first step.
+
+    Skipped: system turns, the instruction and answers with no action ("OK"), then ETO's one-shot example
+    for `env` if the conversation holds it (data/eto/prompt_icl_examples_*.json, the turns ETO's prompt
+    builds from it)."""
+    def first_act(k: int) -> int:  # the first answer that acts, from message k on
+        while k < len(messages) and (messages[k]["role"] != "assistant" or parse_action(messages[k]["content"]) is None):
+            k += 1
+        return k
+
+    k = first_act(0)
+    icl = [m["content"].strip() for m in eto_example(env)]
+    contents = [m["content"].strip() for m in messages]
+    for start in range(k):
+        after = first_act(start + len(icl))  # (a record may also be the example's own episode: then no match)
+        if contents[start].endswith(icl[0]) and contents[start + 1:start + len(icl)] == icl[1:] and after < len(messages):
+            k = after
+            break
+    if k == 0 or k >= len(messages) or messages[k - 1]["role"] != "user":
+        raise ValueError("field 'conversations': no user turn before the first answer that acts")
+    return k
+
+
+def eto_example(env: str) -> list[dict]:
+    """ETO's one-shot example for env, as alternating user / assistant messages."""
+    raw = json.loads((ETO_DIR / f"prompt_icl_examples_{env}_icl.json").read_text())[0]
+    return [{"role": ("user", "assistant")[j % 2], "content": m["content"]} for j, m in enumerate(raw)]
+
+
+def strip_observation(text: str) -> str:
+    return text.removeprefix("Observation:").strip()
 
 
 def append_jsonl(path: str | os.PathLike, record: dict) -> None:
@@ -189,13 +288,17 @@ def write_jsonl(path: str | os.PathLike, records: list[dict]) -> None:
 
 # ----------------------------------------------------------------------------- ReAct prompts
 FORMAT_ERROR = "Invalid format. The input must contain 'Action: '."
-_ACTION_RE = re.compile(r"^\s*Action:[ \t]*(.*?)\s*$", re.MULTILINE)
+# "Action: go to shelf 1", "ACTION: go to shelf 1" (AgentTuning), "Action:\nclick[Buy Now]" (the next line)
+_ACTION_RE = re.compile(r"^[ \t]*action[ \t]*:[ \t]*(.*?)[ \t]*$"
+                        r"(?:\n[ \t]*(?!(?:thought|observation)[ \t]*:)(\S.*?)[ \t]*$)?",
+                        re.MULTILINE | re.IGNORECASE)
 
 
 def parse_action(text: str) -> str | None:
-    """The first 'Action: ...' line of a ReAct answer, or None when there is none (a format error)."""
+    """The first 'Action: ...' of a ReAct answer, in any case, with the command on the same line or the next;
+    None when there is none (a format error)."""
     m = _ACTION_RE.search(text)
-    return m.group(1) if m and m.group(1) else None
+    return (m[1] or m[2] or None) if m else None
 
 
 def react(thought: str, action: str) -> str:
@@ -207,8 +310,36 @@ def first_messages(system_prompt: str, instruction: str, observation: str) -> li
             {"role": "user", "content": f"Task: {instruction}\n\nObservation: {observation}"}]
 
 
-def observation_message(observation: str) -> dict:
-    return {"role": "user", "content": f"Observation: {observation}"}
+def observation_message(observation: str, sep: str = " ") -> dict:
+    return {"role": "user", "content": f"Observation:{sep}{observation}"}
+
+
+PROMPTS = ("short", "eto")
+
+
+class Prompt:
+    """How an episode's chat opens and how it shows each observation, the same in expert data and rollouts.
+
+    short: our system prompt (the adapter's), then one user turn with the task and the first observation.
+    eto:   ETO's protocol, which the paper follows (data/eto/): ETO's instruction as a user turn, "OK", ETO's
+           one-shot example as user / assistant turns, then the task: ALFWorld's first observation (which
+           ends with the task), ScienceWorld's task description alone, WebShop's first page. Observations
+           are "Observation: ..." ("Observation:\n..." on WebShop), as ETO's wrappers write them."""
+
+    def __init__(self, style: str, env: str, system_prompt: str):
+        if style not in PROMPTS:
+            raise UserError(f"--prompt {style!r}: use one of {', '.join(PROMPTS)}")
+        self.style, self.env, self.system_prompt = style, env, system_prompt
+
+    def first(self, instruction: str, observation: str) -> list[dict]:
+        if self.style == "short":
+            return first_messages(self.system_prompt, instruction, observation)
+        task = instruction if self.env == "sciworld" else observation
+        return [{"role": "user", "content": (ETO_DIR / f"prompt_instructions_{self.env}_inst.txt").read_text()},
+                {"role": "assistant", "content": "OK"}, *eto_example(self.env), {"role": "user", "content": task}]
+
+    def observation(self, observation: str) -> dict:
+        return observation_message(observation, "\n" if self.style == "eto" and self.env == "webshop" else " ")
 
 
 # ----------------------------------------------------------------------------- run folders
@@ -528,6 +659,13 @@ def chat_segments(tokenizer, messages: list[dict], add_generation_prompt: bool =
         cut(render(messages[:k + 1]), m["role"] == "assistant")
     cut(full, False)
     return [(text, is_answer) for text, is_answer in pieces if text]
+
+
+def tokenize_steps(tokenizer, traj: dict):
+    """Token ids of a trajectory's chat and the [start, end) span of each step's answer: the last
+    len(steps) assistant turns (earlier ones are the prompt's, e.g. ETO's "OK" and one-shot example)."""
+    ids, spans = tokenize_chat(tokenizer, traj["messages"])
+    return ids, spans[len(spans) - len(traj["steps"]):]
 
 
 def tokenize_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False):

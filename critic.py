@@ -138,7 +138,7 @@ class Heads(torch.nn.Module):
 
 def encode(tok, traj: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token ids and the V / Q read positions of every step (see the module docstring)."""
-    ids, spans = common.tokenize_chat(tok, traj["messages"])
+    ids, spans = common.tokenize_steps(tok, traj)
     return (torch.tensor([ids]), torch.tensor([s - 1 for s, _ in spans]), torch.tensor([e - 1 for _, e in spans]))
 
 

@@ -5,7 +5,8 @@
 # marker last, so running the same command again after a crash or Ctrl-C skips what is finished.
 #   bash evolve.sh                         # default model, short ScienceWorld tasks, 2 iterations, CPU
 #   SMOKE=1 bash evolve.sh                 # the whole loop on the tiny model and two tasks, in minutes
-#   PRESET=7b ENV=alfworld bash evolve.sh  # Llama-2-7B-Chat, 4-bit QLoRA, all tasks: one 24 GB GPU
+#   PRESET=7b ENV=alfworld bash evolve.sh  # Llama-2-7B-Chat, 4-bit QLoRA, all tasks, ETO's prompt: one 24 GB GPU
+#   PROMPT=eto bash evolve.sh              # ETO's instruction and one-shot example (the paper's protocol), ETO's step caps
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -16,11 +17,14 @@ fi
 if [ "${PRESET:-}" = 7b ]; then  # one 24 GB GPU, paper scale: every task of the env, its own step cap
   : "${MODEL:=meta-llama/Llama-2-7b-chat-hf}" "${TASKS=}" "${NUM_DEMOS:=0}" "${NUM_TASKS:=0}" "${NUM_EVAL:=0}" "${MAX_STEPS=}"
   : "${BC_EPOCHS:=3}" "${CRITIC_EPOCHS:=2}" "${BPPO_LR:=1e-5}" "${GRAD_ACCUM:=16}" "${BC_ACCUM:=16}" "${CRITIC_ACCUM:=16}"
-  : "${MAX_NEW_TOKENS:=128}" "${SAMPLES:=3}" "${CRITIC_TAU:=0.005}"
+  : "${MAX_NEW_TOKENS:=128}" "${SAMPLES:=3}" "${CRITIC_TAU:=0.005}" "${PROMPT:=eto}"
 elif [ -n "${PRESET:-}" ]; then
   echo "PRESET=$PRESET: the only preset is 7b" >&2; exit 2
 fi
 : "${ENV:=sciworld}" "${MODEL:=smollm2-135m}" "${ITERS:=2}" "${RUN:=runs/evolve-$ENV}"
+# PROMPT=eto: ETO's prompt (data/eto/) in expert data and rollouts, and ETO's step caps unless MAX_STEPS is set.
+: "${PROMPT:=short}"
+case "$PROMPT" in short) ;; eto) : "${MAX_STEPS=}" ;; *) echo "PROMPT=$PROMPT: use short or eto" >&2; exit 2 ;; esac
 # The default: ScienceWorld's three lifespan families (walk outside, look, focus on the right animal: expert
 # 2-12 steps; a wrong `focus on` ends the episode), sized so that the whole loop fits in 90 minutes on 2 CPU
 # cores. Demonstrations come from the first NUM_DEMOS training variations, rollouts from the first NUM_TASKS of
@@ -49,7 +53,7 @@ critic_flags=(--process-reward "$PROCESS_REWARD" --epochs "$CRITIC_EPOCHS" --gra
 bppo_flags=(--epochs "$BPPO_EPOCHS" --lr "$BPPO_LR" --grad-accum "$GRAD_ACCUM" "${bppo_extra[@]}")
 settings=$(for v in ENV MODEL ITERS TASKS NUM_DEMOS NUM_TASKS NUM_EVAL SAMPLES TEMPERATURE MAX_STEPS BC_EPOCHS \
                     CRITIC_EPOCHS BPPO_EPOCHS BPPO_LR NUM_ENVS GRAD_ACCUM BC_ACCUM CRITIC_ACCUM CRITIC_TAU MAX_NEW_TOKENS ABLATION PROCESS_REWARD \
-                    KEEP_SELF; do
+                    KEEP_SELF PROMPT; do
   printf '%-15s %s\n' "$v" "${!v}"; done)
 printf 'RUN            %s\n%s\n' "$RUN" "$settings"
 mkdir -p "$RUN"
@@ -59,7 +63,7 @@ if [ -f "$RUN/settings.txt" ] && [ "$(cat "$RUN/settings.txt")" != "$settings" ]
   exit 2
 fi
 echo "$settings" > "$RUN/settings.txt"
-select=(--env "$ENV")
+select=(--env "$ENV" --prompt "$PROMPT")
 [ -n "$MAX_STEPS" ] && select+=(--max-steps "$MAX_STEPS")
 [ -n "$TASKS" ] && select+=(--task-names $TASKS)
 [ "$NUM_DEMOS" != 0 ] && demo_tasks=(--num-tasks "$NUM_DEMOS") || demo_tasks=()

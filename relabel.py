@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import tyro
 
@@ -39,7 +40,8 @@ INVALID_TEXTS = {
 @dataclass
 class Args:
     data: tyro.conf.Positional[tuple[str, ...]]
-    """trajectory JSONL files to merge (expert and self-generated)"""
+    """trajectory files to merge (expert and self-generated): our JSONL, or conversations released elsewhere
+    (ETO's *_sft.json, AgentGym, AgentTuning; JSON list or JSONL)"""
     out: str
     """the hybrid dataset, every step with aux_reward and rules"""
     fmt: float | None = None
@@ -50,6 +52,8 @@ class Args:
     """no-change penalty (default: -0.1, WebShop 0)"""
     off: bool = False
     """write aux_reward 0 everywhere: the paper's 'w/o RR' ablation"""
+    env: Literal["sciworld", "alfworld", "webshop"] | None = None
+    """environment of released records whose id and file name do not name it"""
 
 
 def _clean(observation: str) -> str:
@@ -83,7 +87,7 @@ def main() -> None:
     args = tyro.cli(Args)
     trajs, source_of = [], {}
     for path in args.data:
-        for t in common.read_jsonl(path):
+        for t in common.read_jsonl(path, env=args.env):
             if t["id"] in source_of:
                 raise common.UserError(f"{path}: trajectory id {t['id']} is already in {source_of[t['id']]}")
             source_of[t["id"]] = path

@@ -42,7 +42,7 @@ old, _, _ = common.load_policy(policy)
 ref, _, _ = common.load_policy(policy)
 opt = torch.optim.AdamW([p for p in pi.parameters() if p.requires_grad], lr=1e-5)
 for t in trajs:
-    ids, spans = common.tokenize_chat(tok, t["messages"])
+    ids, spans = common.tokenize_steps(tok, t)
     ids = torch.tensor([ids]); attn = torch.ones_like(ids); mask = torch.zeros_like(ids); adv = torch.zeros(ids.shape)
     for (s, e), step in zip(spans, t["steps"]):
         mask[0, s:e], adv[0, s:e] = 1, step["advantage"]

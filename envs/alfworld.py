@@ -5,11 +5,14 @@ Games come from one of two sources:
 * **Official data**, when `data_dir` or `$ALFWORLD_DATA` (alfworld's default: ~/.cache/alfworld)
   holds `json_2.1.1/`:
   `json_2.1.1/{train,valid_seen,valid_unseen}/<task-dir>/<trial>/game.tw-pddl` become the splits
-  train / seen / unseen. Like ALFWorld's own loader, trials without `traj_data.json`, "movable" and
-  "Sliced" tasks and task types other than the six are skipped; the task type is read from the
-  task folder name (`pick_heat_then_place_in_recep-Apple-None-GarbageCan-10`), so listing the
-  3,553 train games reads no JSON (nor the `solvable` flag inside the game files). `Task.source`
-  is the game file path.
+  train / seen / unseen. Exactly the games ALFWorld's own loader keeps: trials with `traj_data.json`,
+  no "movable" or "Sliced" task, one of the six task types (read from the task folder name,
+  `pick_heat_then_place_in_recep-Apple-None-GarbageCan-10`), and the game file's `solvable` flag true
+  (read from the end of the file, where both releases write it). That gives the paper's 140 seen and 134
+  unseen evaluation games; 47 of the 187 seen trials are unsolvable, and some of those crash the engine.
+  Both releases of the files load: ALFWorld 0.2.2's (the ones ETO, QLASS and the paper use) and 0.4's
+  newer `game.tw-pddl` (its `json_2.1.2` download, unzipped into the same `json_2.1.1/` folders).
+  `Task.source` is the game file path.
 * **Synthetic games** otherwise (the official files cannot be downloaded here): see
   `envs/alfworld_gen.py`. The tasks are drawn deterministically from `seed`, one task type after
   the other; train and seen use ALFRED's training floor plans, and every seen game repeats the
@@ -19,12 +22,15 @@ Games come from one of two sources:
   game is written on first reset to `$QEVOLVE_CACHE/alfworld/<generator hash>/` (default
   `~/.cache/qevolve`).
 
-`num_train` / `num_seen` / `num_unseen` are the split sizes. Synthetic task i depends only on
-(seed, split, i), so a smaller split is a prefix of a bigger one. Official data takes an evenly
-spaced subset of the sorted games; there 0 means all of them (ETO's test = all 134 valid_unseen).
+`num_train` / `num_seen` / `num_unseen` are the split sizes (default: every official game; synthetic
+200 / 40 / 40). Synthetic task i depends only on (seed, split, i), so a smaller split is a prefix of a
+bigger one. Official data takes an evenly spaced subset of the sorted games; 0 means all of them.
 
-Commands are ALFWorld 0.4.2's: putting is "move X to Y" (older ALFWorld and ETO's trajectories
-say "put X in/on Y", which this engine answers with "Nothing happens.").
+Commands: the agent writes putting as ETO's trajectories and the paper's agents do, "put X in/on Y".
+The engine's own word depends on the game file: ALFWorld 0.2.2's games say "put X in/on Y", 0.4's
+(and our synthetic ones) "move X to Y". The adapter translates an agent's put ("put X in/on Y",
+"put X in Y", "put X on Y" or "move X to Y") into the loaded game's form, and shows the expert's
+actions and the admissible commands in the agent's form, so one policy plays both generations.
 
 The expert is ALFWorld's planner (the Fast Downward replanning behind `AlfredExpert("planner")`),
 but called lazily: that wrapper replans after every step, and one plan (a blind search) takes a
@@ -35,6 +41,7 @@ follow it (or change nothing).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
 import re
@@ -58,7 +65,7 @@ e.g. "apple 1", "countertop 2"):
 - go to <receptacle>
 - open <receptacle> / close <receptacle>
 - take <object> from <receptacle>
-- move <object> to <receptacle>   (put the object you carry in or on the receptacle)
+- put <object> in/on <receptacle>   (put the object you carry in or on the receptacle)
 - use <lamp>   (turn a desklamp or floorlamp on)
 - heat <object> with <microwave> / cool <object> with <fridge> / clean <object> with <sinkbasin>
 - examine <object or receptacle>
@@ -74,7 +81,7 @@ THOUGHTS = {
     "open": ("{0} is closed; I should open it.", "Let me open {0} to see inside."),
     "close": ("I am done with {0}; I will close it.",),
     "take": ("I found {0}; I should take it.", "There is {0} in {1}; I will pick it up."),
-    "move": ("Now I can put {0} in/on {1}.", "I should place {0} in/on {1}."),
+    "put": ("Now I can put {0} in/on {1}.", "I should place {0} in/on {1}."),
     "heat": ("I should heat {0} with {1}.", "{0} needs to be hot; {1} can heat it."),
     "cool": ("I should cool {0} with {1}.", "{0} needs to be cool; {1} can cool it."),
     "clean": ("I should clean {0} with {1}.", "{0} needs to be clean; I will wash it in {1}."),
@@ -82,24 +89,29 @@ THOUGHTS = {
     "examine": ("Let me examine {0} more closely.",),
 }
 SIMPLE_THOUGHTS = {"look": "Let me look around.", "inventory": "Let me check what I am carrying."}
-ACTION_RE = re.compile(r"(go to|open|close|take|move|heat|cool|clean|use|examine) (.+?)"
-                       r"(?: (?:from|to|with) (.+))?")
+ACTION_RE = re.compile(r"(go to|open|close|take|put|heat|cool|clean|use|examine) (.+?)"
+                       r"(?: (?:from|in/on|with) (.+))?")
+# Putting, in every form an agent may write it; the object and receptacle names are "<word(s)> <number>".
+PUT_RE = re.compile(r"(?:put (.+? \d+) (?:in/on|in|on|into)|move (.+? \d+) to) (.+ \d+)")
+AGENT_PUT, ENGINE_PUTS = "put {0} in/on {1}", {"old": "put {0} in/on {1}", "new": "move {0} to {1}"}
 
 
 class AlfWorldEnv(TextEnv):
     name = "alfworld"
     system_prompt = SYSTEM_PROMPT
 
-    def __init__(self, max_steps: int = 30, num_train: int = 200, num_seen: int = 40,
-                 num_unseen: int = 40, seed: int = 0, data_dir: str | None = None) -> None:
+    def __init__(self, max_steps: int = 30, num_train: int | None = None, num_seen: int | None = None,
+                 num_unseen: int | None = None, seed: int = 0, data_dir: str | None = None) -> None:
         self.max_steps = max_steps
-        self.sizes = {"train": num_train, "seen": num_seen, "unseen": num_unseen}
         self.seed = seed
         root = data_dir or os.environ.get("ALFWORLD_DATA")  # (alfworld itself sets a default)
         official = os.path.join(root, "json_2.1.1") if root else ""
         self.official = official if os.path.isdir(official) else None
         if data_dir and not self.official:
             raise EnvError(f"no json_2.1.1/ in ALFWorld data_dir {data_dir!r}")
+        default = (0, 0, 0) if self.official else (200, 40, 40)  # official: every game, as the paper evaluates
+        self.sizes = {split: default[i] if n is None else n
+                      for i, (split, n) in enumerate((("train", num_train), ("seen", num_seen), ("unseen", num_unseen)))}
         cache = os.environ.get("QEVOLVE_CACHE") or os.path.expanduser("~/.cache/qevolve")
         # Specs fix each game; the hash only guards against files from another generator version.
         version = hashlib.sha1(f"{gen.GEN_VERSION}/{gen.CAPS}/{gen.ALFWORLD_VERSION}".encode()).hexdigest()[:12]
@@ -107,6 +119,7 @@ class AlfWorldEnv(TextEnv):
         self._tasks: dict[str, list[Task]] = {}
         self._gym = None
         self._game = ""  # the game file loaded in the engine
+        self._put = ENGINE_PUTS["new"]  # the loaded game's own command for putting an object somewhere
         self._plan: list[str] | None = None  # the planner's remaining path; None: replan when asked
         self._start_len: int | None = None
         self._admissible: list[str] = []
@@ -130,7 +143,7 @@ class AlfWorldEnv(TextEnv):
                 continue
             for trial in sorted(os.listdir(os.path.join(base, task_dir))):
                 game = os.path.join(base, task_dir, trial, "game.tw-pddl")
-                if os.path.exists(game) and os.path.exists(os.path.join(base, task_dir, trial, "traj_data.json")):
+                if os.path.exists(os.path.join(base, task_dir, trial, "traj_data.json")) and solvable(game):
                     games.append((task_type, game))
         n = self.sizes[split]
         if 0 < n < len(games):  # evenly spaced, so every task type stays represented
@@ -166,13 +179,20 @@ class AlfWorldEnv(TextEnv):
             game = task.source
         else:
             raise EnvError(f"ALFWorld game file not found: {task.source}")
-        env = self._engine(game)
         if game != self._game:
-            env.gamefiles = [game]  # the next reset() plays this game (seed() rebuilds the game cycle)
-            env.seed(0)
-            raw, infos = env.reset()
+            try:  # textworld's loader fails with whatever its parser meets (KeyError, ValueError, ...)
+                env = self._engine(game)
+                env.gamefiles = [game]  # the next reset() plays this game (seed() rebuilds the game cycle)
+                env.seed(0)
+                raw, infos = env.reset()
+                with open(game) as f:  # ALFWorld 0.4's games say "move X to Y", 0.2.2's "put X in/on Y"
+                    self._put = ENGINE_PUTS["new" if "move {o} to {r}" in f.read() else "old"]
+            except Exception as e:
+                self.close()
+                raise EnvError(f"{game}: the ALFWorld engine cannot load this game "
+                               f"({type(e).__name__}: {str(e)[:200]})") from None
         else:  # the same game again (several rollouts per task): restart it without reloading the file
-            raws, batch_infos = env.batch_env.reset()
+            raws, batch_infos = self._gym.batch_env.reset()
             raw, infos = raws[0], {k: v[0] for k, v in batch_infos.items()}
         self._game = game
         obs = "\n".join(raw.split("\n\n")[1:])  # drop the "-= Welcome to TextWorld, ALFRED! =-" banner, as ETO
@@ -180,7 +200,7 @@ class AlfWorldEnv(TextEnv):
         self._plan, self._start_len, self._steps, self._won = None, None, 0, False
         self._admissible = list(infos["admissible_commands"])
         return obs, {"instruction": match[1].strip() if match else "", "won": False, "score": 0.0,
-                     "admissible_commands": list(self._admissible), "gamefile": game}
+                     "admissible_commands": self._agent_commands(), "gamefile": game}
 
     def _engine(self, game: str):
         """One TextWorld gym env for all episodes: its PDDL backend and planner library are reused."""
@@ -198,6 +218,8 @@ class AlfWorldEnv(TextEnv):
         if self._gym is None:
             raise EnvError("call reset() before step()")
         command = str(action).strip()  # the engine strips too; anything else it does not know is "Nothing happens."
+        if command not in self._admissible and (put := PUT_RE.fullmatch(command)):
+            command = self._put.format(put[1] or put[2], put[3])  # the agent's put in this game's words
         valid = command in self._admissible
         obs, _, _, infos = self._gym.step(command)
         self._steps += 1
@@ -213,7 +235,10 @@ class AlfWorldEnv(TextEnv):
                 self._plan = None
         done = self._won or self._steps >= self.max_steps
         return obs, reward, done, {"won": self._won, "score": float(self._won), "valid": valid,
-                                   "admissible_commands": list(self._admissible)}
+                                   "admissible_commands": self._agent_commands()}
+
+    def _agent_commands(self) -> list[str]:
+        return [to_agent(c) for c in self._admissible]
 
     def expert_action(self) -> str | None:
         if self._gym is None:
@@ -224,7 +249,7 @@ class AlfWorldEnv(TextEnv):
             self._plan = list(pddl._pddl_state.replan(pddl._entity_infos))
             if self._steps == 0:
                 self._start_len = len(self._plan)
-        return self._plan[0] if self._plan else None
+        return to_agent(self._plan[0]) if self._plan else None
 
     def expert_steps(self) -> int | None:
         """Length of the planner's path from the initial state (planned now, if not yet)."""
@@ -248,3 +273,27 @@ class AlfWorldEnv(TextEnv):
         if self._gym is not None:
             self._gym.close()
         self._gym, self._game = None, ""
+
+
+def to_agent(command: str) -> str:
+    """An engine command in the agent's words: every form of putting becomes "put X in/on Y"."""
+    put = PUT_RE.fullmatch(command)
+    return AGENT_PUT.format(put[1] or put[2], put[3]) if put else command
+
+
+def solvable(game: str) -> bool:
+    """The game file's `solvable` flag, as ALFWorld's loader reads it (a game without one is skipped).
+
+    Both releases write it as the JSON object's last key, so the file's tail is read first; the whole
+    file only when the tail does not have it."""
+    with open(game, "rb") as f:
+        f.seek(max(0, os.path.getsize(game) - 200))
+        flag = re.search(rb'"solvable":\s*(true|false)\s*}\s*$', f.read())
+    if flag:
+        return flag[1] == b"true"
+    try:
+        with open(game) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise EnvError(f"{game}: not an ALFWorld game file ({e})") from None
+    return isinstance(data, dict) and data.get("solvable") is True

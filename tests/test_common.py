@@ -1,5 +1,6 @@
 """Schema and JSONL files, ReAct parsing, action-token masks and log-probs."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,3 +118,75 @@ def test_bad_jsonl_gives_one_line_and_exit_2(tmp_path):
     proc = run_script("bc.py", "--data", str(bad), "--model", "tiny", "--out", str(tmp_path / "o"), check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"error: {bad}:1: not valid JSON (Expecting ',' delimiter at column 11)"
+
+
+# ----------------------------------------------------------------------------- expert files from elsewhere
+EXPERT_FILES = Path(__file__).parent / "data" / "expert_files"
+AGENTGYM_OK = "OK. I'll follow your instructions and try my best to solve the task."  # AgentInstruct's too
+ACK = {"eto_webshop_sft.json": "OK", "eto_alfworld_sft_role_content.json": "OK",
+       "agentinstruct_alfworld.json": AGENTGYM_OK, "agentinstruct_webshop_role_content.json": "Ok.",
+       "agenttraj_alfworld_role_content.json": AGENTGYM_OK, "agenttraj_sciworld_role_content.json": AGENTGYM_OK,
+       "eto_style_sciworld_messages.json": None}  # the first answer of each file: an acknowledgement, or none
+
+
+@pytest.mark.parametrize("name", sorted(ACK))
+def test_released_expert_files_are_read_with_prompt_turns_left_out(name):
+    """Real records of each layout: every answer after the task's first turn is a step with a parsed action, the
+    acknowledgement before it is prompt, and relabel.py finds no format error in the expert's answers."""
+    import relabel
+    records = json.loads((EXPERT_FILES / name).read_text())
+    trajs = common.read_jsonl(EXPERT_FILES / name)
+    assert len(trajs) == len(records) >= 1
+    for record, traj in zip(records, trajs):
+        turns = [(t.get("from", t.get("role")), t.get("value", t.get("content")))
+                 for t in record.get("conversations", record.get("messages"))]
+        answers = [k for k, (who, _) in enumerate(turns) if who in ("gpt", "assistant")]
+        if ACK[name] is not None:
+            assert turns[answers[0]][1].strip() == ACK[name]
+        steps = answers[1:] if ACK[name] is not None else answers  # the acknowledgement is no step
+        assert [s["text"] for s in traj["steps"]] == [turns[k][1] for k in steps]
+        assert all(s["action"] and s["format_ok"] for s in traj["steps"])
+        task_turn = common.strip_observation(turns[steps[0] - 1][1])
+        assert traj["instruction"] == task_turn and ("Your task is to" in task_turn or "Instruction:" in task_turn)
+        assert traj["env"] in name and traj["source"] == "expert" and traj["steps"][-1]["done"]
+        assert traj["steps"][-1]["env_reward"] == traj["reward"] == record.get("reward", 1.0)
+        assert [s["observation"] for s in traj["steps"][:-1]] == \
+            [common.strip_observation(turns[k + 1][1]) for k in steps[:-1]]
+        assert "format" not in [r for s in relabel.label_trajectory(traj)["steps"] for r in s["rules"]]
+
+
+def test_agent_answer_formats_parse():
+    assert common.parse_action("THOUGHT: the laptop is here.\n ACTION: take laptop 1 from bed 1") == \
+        "take laptop 1 from bed 1"
+    assert common.parse_action("Thought:\nI think I should buy it.\n\nAction:\nclick[Buy Now]") == "click[Buy Now]"
+    assert common.parse_action("action: look") == "look"
+    assert common.parse_action("Thought: x\nAction:\nObservation: y") is None  # a label is no action
+
+
+def test_eto_example_in_the_chat_is_prompt_and_json_list_errors_name_the_line(tiny, tmp_path):
+    """ETO's own prompt (instruction, OK, one-shot example, task), as collect.py --prompt eto writes it."""
+    task = "You are in the middle of a room. Looking quickly around you, you see a desk 1.\n\nYour task is to: x."
+    messages = common.Prompt("eto", "alfworld", "").first("x", task) + [
+        {"role": "assistant", "content": "Thought: go.\nAction: go to desk 1"},
+        {"role": "user", "content": "Observation: On the desk 1, you see a mug 1."},
+        {"role": "assistant", "content": "Thought: take it.\nAction: take mug 1 from desk 1"}]
+    records = [{"id": f"alfworld_{i}", "messages": messages} for i in range(3)]
+    path, jsonl = tmp_path / "alfworld_sft.json", tmp_path / "alfworld_sft.jsonl"
+    path.write_text(json.dumps(records, indent=1))
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
+    trajs = common.read_jsonl(path)
+    assert trajs == common.read_jsonl(jsonl)  # the same records as JSONL
+    assert [s["action"] for s in trajs[0]["steps"]] == ["go to desk 1", "take mug 1 from desk 1"]
+    assert trajs[0]["instruction"] == task and trajs[0]["messages"] == messages
+    _, tok = tiny  # the example's answers stay in the chat, but only the steps' answers are trained
+    ids, spans = common.tokenize_steps(tok, trajs[0])
+    assert [tok.decode(ids[s:e]).split("\n")[0] for s, e in spans] == ["Thought: go.", "Thought: take it."]
+    records[1]["messages"] = records[1]["messages"][:1]
+    path.write_text(json.dumps(records, indent=1))
+    second = [i for i, text in enumerate(path.read_text().splitlines(), 1) if text == " {"][1]
+    with pytest.raises(common.UserError, match=rf"alfworld_sft.json:{second}: field 'conversations'"):
+        common.read_jsonl(path)
+    (tmp_path / "sft.json").write_text(json.dumps([{"id": "7", "conversations": messages}]))
+    with pytest.raises(common.UserError, match=r"sft.json:1: record '7': cannot tell its environment.*pass --env"):
+        common.read_jsonl(tmp_path / "sft.json")
+    assert common.read_jsonl(tmp_path / "sft.json", env="alfworld")[0]["env"] == "alfworld"

@@ -4,12 +4,15 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import common
+from conftest import run_script
 from envs import EnvError
 from envs import alfworld_gen as gen
-from envs.alfworld import AlfWorldEnv
+from envs.alfworld import AlfWorldEnv, solvable
 
 SIZES = dict(num_train=60, num_seen=12, num_unseen=12)
 
@@ -143,3 +146,82 @@ def test_official_layout_is_read_like_alfworlds_loader(alf, tmp_path):
     official.close()
     with pytest.raises(EnvError):
         AlfWorldEnv(data_dir=str(tmp_path / "nothing_here"))
+
+
+# ---------------------------------------------------------------- ALFWorld's official game files (tests/data/alfworld)
+OFFICIAL = Path(__file__).parent / "data" / "alfworld"
+
+
+@pytest.fixture(scope="module")
+def official():
+    env = AlfWorldEnv(data_dir=str(OFFICIAL))
+    yield env
+    env.close()
+
+
+def test_official_games_are_the_ones_alfworlds_loader_keeps(official):
+    train, seen = official.tasks("train"), official.tasks("seen")
+    assert [t.name for t in train] == ["pick_clean_then_place_in_recep", "pick_cool_then_place_in_recep"]
+    assert [t.name for t in seen] == ["look_at_obj_in_light", "pick_and_place_simple",
+                                      "pick_heat_then_place_in_recep", "pick_two_obj_and_place"]
+    assert not any("RemoteControl" in t.source for t in seen)  # its `solvable` flag is false
+    assert solvable(str(next(OFFICIAL.rglob("*RemoteControl*/*/game.tw-pddl")))) is False
+    assert official.tasks("unseen") == []  # no valid_unseen folder here
+    assert len(AlfWorldEnv(data_dir=str(OFFICIAL), num_seen=2).tasks("seen")) == 2
+
+
+def test_expert_wins_official_games_of_every_task_type_in_etos_words(official):
+    for task in official.tasks("train") + official.tasks("seen"):
+        obs, info = official.reset(task)
+        assert obs.startswith("You are in the middle of a room.") and info["instruction"] in obs
+        done, puts = False, 0
+        while not done:
+            action = official.expert_action()
+            assert action in info["admissible_commands"] and not action.startswith("move ")
+            if action.startswith("put "):  # ETO's words, which is also this 0.2.2 game's own command
+                assert " in/on " in action
+                puts += 1
+                if puts == 1:  # the 0.4 form of the same command is accepted too
+                    action = action.replace("put ", "move ", 1).replace(" in/on ", " to ")
+            obs, reward, done, info = official.step(action)
+            assert info["valid"], (task.source, action, obs)
+        assert info["won"] and reward == 1.0 and (puts >= 1) == (task.name != "look_at_obj_in_light"), task.source
+
+
+def test_synthetic_games_take_etos_put_too(alf):
+    """ALFWorld 0.4's games (ours are written like them) say "move X to Y"; the agent still writes ETO's form."""
+    task = next(t for t in alf.tasks("train") if t.name == "pick_and_place_simple")
+    _, info = alf.reset(task)
+    done = False
+    while not done:
+        action = alf.expert_action()
+        _, _, done, info = alf.step(action)
+        assert info["valid"] and not any(c.startswith("move ") for c in info["admissible_commands"])
+    assert info["won"] and action.startswith("put ") and " in/on " in action
+
+
+def test_a_game_the_engine_cannot_load_is_one_error_line_and_keeps_finished_episodes(tmp_path, monkeypatch):
+    root = tmp_path / "data"
+    shutil.copytree(OFFICIAL, root)
+    broken = next(root.rglob("*RemoteControl*/*/game.tw-pddl"))  # claimed solvable, as 62 files were listed before
+    broken.write_text(broken.read_text().replace('"solvable": false', '"solvable": true'))
+    monkeypatch.setenv("ALFWORLD_DATA", str(root))
+    out = tmp_path / "expert.jsonl"
+    proc = run_script("collect.py", "--env", "alfworld", "--split", "seen", "--out", str(out), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {broken}: the ALFWorld engine cannot load this game (KeyError"), last
+    assert [t["task"] for t in common.read_jsonl(out)] == ["look_at_obj_in_light"]  # played before it: kept
+    broken.write_text(broken.read_text()[:1000])  # a cut file: no flag at its end, no JSON
+    with pytest.raises(EnvError, match=f"{broken}: not an ALFWorld game file"):
+        AlfWorldEnv(data_dir=str(root)).tasks("seen")
+
+
+def test_policy_plays_an_official_game_through_collect(tiny_policy, tmp_path, monkeypatch):
+    monkeypatch.setenv("ALFWORLD_DATA", str(OFFICIAL))
+    out = tmp_path / "policy.jsonl"
+    run_script("collect.py", "--env", "alfworld", "--policy", str(tiny_policy), "--split", "seen", "--num-tasks", "1",
+               "--max-steps", "2", "--max-new-tokens", "8", "--temperature", "0", "--out", str(out))
+    (traj,) = common.read_jsonl(out)
+    assert traj["source"] == "policy" and traj["task"] == "look_at_obj_in_light" and len(traj["steps"]) == 2
+    assert traj["initial_observation"].startswith("You are in the middle of a room.")
