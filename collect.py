@@ -20,6 +20,7 @@ already written, so a killed run loses at most the episodes in flight.
 """
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -103,9 +104,14 @@ def step_cap(args: Args, env: TextEnv, task: Task, paper_cap: int) -> int:
     if args.prompt != "eto":
         return paper_cap
     if env.name == "sciworld":
-        table = json.loads((common.ETO_DIR / "data_sciworld_max_steps.json").read_text())
-        return {eto_task_name(name): cap for name, cap in table.items()}[task.name]
+        return eto_sciworld_caps()[task.name]
     return {"alfworld": 40, "webshop": 10}[env.name]
+
+
+@functools.cache
+def eto_sciworld_caps() -> dict[str, int]:
+    table = json.loads((common.ETO_DIR / "data_sciworld_max_steps.json").read_text())
+    return {eto_task_name(name): cap for name, cap in table.items()}
 
 
 def play_expert(env: TextEnv, task: Task, traj_id: str, iteration: int, prompt: common.Prompt) -> dict | None:

@@ -5,6 +5,7 @@ Environment adapters live in envs/ (one module per environment) because together
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import math
@@ -230,9 +231,8 @@ def from_conversation(record: dict, path: str, env: str | None = None) -> dict:
     task_turn = strip_observation(messages[first - 1]["content"])
     return {"id": traj_id or f"{Path(path).stem}/{zlib.crc32(task_turn.encode()):08x}", "env": env,
             "task": traj_id, "variation": 0, "split": "train", "source": "expert", "iteration": 0,
-            "instruction": task_turn, "initial_observation": task_turn,
-            "messages": messages[:first] + [m for m in messages[first:] if m["role"] != "system"],
-            "steps": steps, "reward": float(reward), "success": reward > 0}
+            "instruction": task_turn, "initial_observation": task_turn, "messages": messages, "steps": steps,
+            "reward": float(reward), "success": reward > 0}
 
 
 def prompt_length(messages: list[dict], env: str) -> int:
@@ -260,9 +260,14 @@ def prompt_length(messages: list[dict], env: str) -> int:
 
 
 def eto_example(env: str) -> list[dict]:
-    """ETO's one-shot example for env, as alternating user / assistant messages."""
-    raw = json.loads((ETO_DIR / f"prompt_icl_examples_{env}_icl.json").read_text())[0]
-    return [{"role": ("user", "assistant")[j % 2], "content": m["content"]} for j, m in enumerate(raw)]
+    """ETO's one-shot example for env, as alternating user / assistant messages (new dicts at every call)."""
+    return [{"role": ("user", "assistant")[j % 2], "content": text} for j, text in enumerate(_eto_example_texts(env))]
+
+
+@functools.cache
+def _eto_example_texts(env: str) -> tuple[str, ...]:
+    # ETO's files mix "role" and "from" keys; like ETO's prompt builder, the turn's position gives its role
+    return tuple(m["content"] for m in json.loads((ETO_DIR / f"prompt_icl_examples_{env}_icl.json").read_text())[0])
 
 
 def strip_observation(text: str) -> str:
@@ -330,13 +335,15 @@ class Prompt:
         if style not in PROMPTS:
             raise UserError(f"--prompt {style!r}: use one of {', '.join(PROMPTS)}")
         self.style, self.env, self.system_prompt = style, env, system_prompt
+        if style == "eto":
+            self.instruction = (ETO_DIR / f"prompt_instructions_{env}_inst.txt").read_text()
 
     def first(self, instruction: str, observation: str) -> list[dict]:
         if self.style == "short":
             return first_messages(self.system_prompt, instruction, observation)
         task = instruction if self.env == "sciworld" else observation
-        return [{"role": "user", "content": (ETO_DIR / f"prompt_instructions_{self.env}_inst.txt").read_text()},
-                {"role": "assistant", "content": "OK"}, *eto_example(self.env), {"role": "user", "content": task}]
+        return [{"role": "user", "content": self.instruction}, {"role": "assistant", "content": "OK"},
+                *eto_example(self.env), {"role": "user", "content": task}]
 
     def observation(self, observation: str) -> dict:
         return observation_message(observation, "\n" if self.style == "eto" and self.env == "webshop" else " ")

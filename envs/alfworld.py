@@ -110,8 +110,8 @@ class AlfWorldEnv(TextEnv):
         if data_dir and not self.official:
             raise EnvError(f"no json_2.1.1/ in ALFWorld data_dir {data_dir!r}")
         default = (0, 0, 0) if self.official else (200, 40, 40)  # official: every game, as the paper evaluates
-        self.sizes = {split: default[i] if n is None else n
-                      for i, (split, n) in enumerate((("train", num_train), ("seen", num_seen), ("unseen", num_unseen)))}
+        self.sizes = {split: d if n is None else n
+                      for split, n, d in zip(("train", "seen", "unseen"), (num_train, num_seen, num_unseen), default)}
         cache = os.environ.get("QEVOLVE_CACHE") or os.path.expanduser("~/.cache/qevolve")
         # Specs fix each game; the hash only guards against files from another generator version.
         version = hashlib.sha1(f"{gen.GEN_VERSION}/{gen.CAPS}/{gen.ALFWORLD_VERSION}".encode()).hexdigest()[:12]

@@ -1,5 +1,6 @@
 """collect.py's expert export on the real ScienceWorld."""
 import json
+from types import SimpleNamespace
 
 import common
 from conftest import run_script
@@ -90,3 +91,18 @@ def test_killed_rollout_resumes_without_duplicates(tiny_policy, tmp_path):
     run_script(*argv[1:])
     after = [t["id"] for t in common.read_jsonl(out)]
     assert after[:len(before)] == before and len(after) == len(set(after)) == 6
+
+
+def test_step_caps_paper_by_default_etos_with_its_prompt():
+    import collect
+    from envs import Task
+    from envs.sciworld import SciWorldEnv
+    table = json.loads((common.ETO_DIR / "data_sciworld_max_steps.json").read_text())
+    boil, alf, shop = Task("sciworld", "boil", 0, "train"), Task("alfworld", "x", 0, "train"), Task("webshop", "x", 0, "train")
+    env = SciWorldEnv()  # no engine is started to read a cap
+    short, eto = (collect.Args(env="sciworld", out="-", prompt=p) for p in ("short", "eto"))
+    assert collect.step_cap(short, env, boil, env.max_steps) == env.max_steps == 24
+    assert collect.step_cap(eto, env, boil, 24) == table["task-1-boil"] == 100
+    assert collect.step_cap(collect.Args(env="sciworld", out="-", prompt="eto", max_steps=7), env, boil, 24) == 7
+    for name, task, cap in (("alfworld", alf, 40), ("webshop", shop, 10)):
+        assert collect.step_cap(eto, SimpleNamespace(name=name), task, 30) == cap

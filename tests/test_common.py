@@ -190,3 +190,21 @@ def test_eto_example_in_the_chat_is_prompt_and_json_list_errors_name_the_line(ti
     with pytest.raises(common.UserError, match=r"sft.json:1: record '7': cannot tell its environment.*pass --env"):
         common.read_jsonl(tmp_path / "sft.json")
     assert common.read_jsonl(tmp_path / "sft.json", env="alfworld")[0]["env"] == "alfworld"
+
+
+@pytest.mark.parametrize("source, layout", [
+    ("agenttraj_sciworld_role_content.json", "agenttraj.jsonl"),  # AgentGym: {item_id, [{from, loss, value}]}
+    ("eto_alfworld_sft_role_content.json", "alfworld_sft.json"),  # ETO: one JSON list of {id, [{from, value}]}
+    ("eto_style_sciworld_messages.json", "sciworld_sft.json")])
+def test_documented_layouts_of_the_real_records(source, layout, tmp_path):
+    """The layouts as their projects document them, made from the real records in tests/data (which were
+    published re-keyed to role/content) by putting the original keys back: the same trajectories come out."""
+    names = {"user": "human", "assistant": "gpt", "system": "system"}
+    records = []
+    for r in json.loads((EXPERT_FILES / source).read_text()):
+        turns = [{"from": names[t["role"]], "value": t["content"]} | ({"loss": t["role"] == "assistant"}
+                 if layout.startswith("agenttraj") else {}) for t in r.get("conversations", r.get("messages"))]
+        records.append({"item_id" if layout.startswith("agenttraj") else "id": r["id"], "conversations": turns})
+    path = tmp_path / layout  # AgentGym's file name does not name the env: the id does
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) if layout.endswith(".jsonl") else json.dumps(records))
+    assert common.read_jsonl(path) == common.read_jsonl(EXPERT_FILES / source)

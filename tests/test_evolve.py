@@ -43,3 +43,22 @@ def test_smoke_loop_survives_a_kill_and_reports(tmp_path):
     for name in ("| BC |", "| Iter 1 |", "| Iter 2 |"):
         assert name in table and name in out
     assert (run / "results.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_smoke_loop_with_etos_prompt(tmp_path):
+    """PROMPT=eto: ETO's instruction, "OK" and one-shot example open every chat, in BC data and rollouts alike,
+    and only the answers after the task are steps (trained, scored, updated)."""
+    run = tmp_path / "run"
+    proc = evolve(run, PROMPT="eto", ITERS="1")
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out
+    instruction = (ROOT / "data" / "eto" / "prompt_instructions_sciworld_inst.txt").read_text()
+    example = common.eto_example("sciworld")
+    for path in ("0/expert/train.jsonl", "1/collect/self.jsonl", "1/critic/scored.jsonl", "1/eval_seen/episodes.jsonl"):
+        for t in common.read_jsonl(run / path):
+            head = t["messages"][:3 + len(example)]
+            assert head[:2] == [{"role": "user", "content": instruction}, {"role": "assistant", "content": "OK"}]
+            assert head[2:2 + len(example)] == example and head[-1]["content"] == t["instruction"]
+            answers = [m["content"] for m in t["messages"] if m["role"] == "assistant"]
+            assert [s["text"] for s in t["steps"]] == answers[1 + len(example) // 2:] and len(t["steps"]) <= 3
+    assert "PROMPT          eto" in (run / "settings.txt").read_text() and "| Iter 1 |" in out
