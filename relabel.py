@@ -24,11 +24,11 @@ import tyro
 
 import common
 
-# Paper defaults (fmt, inv, repeat), design/paper.md §1.4: WebShop sets the last two to 0.
+# Paper defaults (fmt, inv, repeat) of the relabelling rules (eq. 3): WebShop sets the last two to 0.
 PENALTIES = {"alfworld": (-0.3, -0.2, -0.1), "sciworld": (-0.3, -0.2, -0.1), "webshop": (-0.3, 0.0, 0.0)}
 # Format-error observations: ours (common.FORMAT_ERROR) and ETO's wrappers' two spellings.
 FORMAT_TEXTS = ("Invalid format.", "Error Input. Your input must contains 'Action: '")
-# Each environment's own rejection texts (design/envs.md §4).
+# Each environment's own rejection texts, as its engine writes them (README, Relabel).
 INVALID_TEXTS = {
     "alfworld": ("Nothing happens.", "Nothing happened"),
     "sciworld": ("No known action matches that input.", "Unknown action.", "Ambiguous request",

@@ -1,6 +1,6 @@
 """ScienceWorld (Wang et al. 2022) through the real `scienceworld` package, with ETO's splits.
 
-Departures from the stock `ScienceWorldEnv` (design/envs.md §1):
+Departures from the stock `ScienceWorldEnv`:
 - a thin step: the stock one builds every valid action-object combination on every call (~20 steps/s);
   we read only the observation, score and completion flag (~80+ steps/s);
 - the JVM heap is capped (`-Xmx1g`): the default is a quarter of the RAM and grows to ~3 GB;
@@ -24,7 +24,7 @@ from envs import EnvError, Task, TextEnv, canonical_split
 ETO_DIR = Path(__file__).resolve().parent.parent / "data" / "eto"
 SPLIT_FILES = {"train": "data_sciworld_train_indices.json", "seen": "data_sciworld_dev_indices.json",
                "unseen": "data_sciworld_test_indices.json"}
-# The stock engine's rejection texts (design/envs.md §4); relabel.py keys on the same strings.
+# The stock engine's rejection texts (read off scienceworld 1.2.3); relabel.py keys on the same strings.
 REJECTIONS = ("No known action matches that input.", "Unknown action.", "Ambiguous request")
 # ETO plays with doors open and teleport available (its in-context example teleports). Electrical
 # tasks cannot take noElectricalAction, so "easy" minus that one is used for them.

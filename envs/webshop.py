@@ -1,6 +1,6 @@
 """WebShop (Yao et al. 2022): buy the product an instruction asks for, in a text-mode web shop.
 
-Two back-ends behind one adapter (design/envs.md §3):
+Two back-ends behind one adapter:
 - the real WebShop, when its package (`web_agent_site`, github.com/princeton-nlp/WebShop) and its product
   data are installed: its text environment (`WebAgentTextEnv`, observation_mode="text", human goals), with
   ETO's goal indices (data/eto/): train 1824 goals, seen = ETO's test 200, no unseen split;

@@ -1,7 +1,7 @@
 """Build the mini WebShop catalogue and goals (envs/webshop_data/{products,goals}.json).
 
 The real WebShop (Yao et al. 2022) scrapes 1.18 M Amazon products and cannot be downloaded here, so the
-project ships its own small shop in WebShop's schema (design/envs.md §3): every product has an ASIN, a
+project ships its own small shop in WebShop's schema: every product has an ASIN, a
 Title, a short `name`, the `type_nouns` of that name (WebShop parses them with spaCy), an Amazon-style
 `product_category` ("A › B › C"), the search `query` it was "scraped" with, Attributes, BulletPoints, a
 Description, a price and option groups. A goal names one product and asks for 1-3 of its attributes, one

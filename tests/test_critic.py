@@ -11,7 +11,7 @@ from conftest import run_script
 
 
 def test_iql_weights_by_hand():
-    # paper eq. 4 with the worked example of design/paper.md §1.5: T = 4, t = 3 gives 1.375 / 0.875
+    # paper eq. 4 worked by hand: T = 4, t = 3 gives 0.5·(3/4 + 1) + 0.5 = 1.375 and 0.5·(3/4) + 0.5 = 0.875
     torch.testing.assert_close(critic.iql_weights(4, True), torch.tensor([1.125, 1.25, 1.375, 1.5]))
     torch.testing.assert_close(critic.iql_weights(4, False), torch.tensor([0.625, 0.75, 0.875, 1.0]))
     torch.testing.assert_close(critic.iql_weights(2, True, temporal=False), torch.tensor([1.0, 1.0]))
