@@ -21,6 +21,7 @@ import tyro
 from tqdm import tqdm
 
 import common
+from envs import ENVS
 
 
 @dataclass
@@ -56,7 +57,7 @@ class Args:
     """4-bit nf4 base (QLoRA); default: on with CUDA, off on CPU"""
     grad_ckpt: bool | None = None
     """gradient checkpointing; default: on with CUDA (activation memory), off on CPU (1.4x faster at 135M)"""
-    env: Literal["sciworld", "alfworld", "webshop"] | None = None
+    env: Literal[ENVS] | None = None
     """environment of released records whose id and file name do not name it"""
     seed: int = 1
     threads: int | None = None

@@ -55,7 +55,7 @@ class Args:
     max_steps: int | None = None
     """step cap per episode (default: the paper's, ScienceWorld 24 / ALFWorld 30 / WebShop 10; with --prompt eto
     ETO's: ALFWorld 40, WebShop 10, ScienceWorld 10-120 by task)"""
-    prompt: Literal["short", "eto"] = "short"
+    prompt: Literal[common.PROMPTS] = "short"
     """short (our system prompt) | eto (ETO's instruction and one-shot example, the paper's protocol); expert
     data and the policy's rollouts must use the same"""
     temperature: float = 0.7

@@ -23,6 +23,7 @@ from typing import Literal
 import tyro
 
 import common
+from envs import ENVS
 
 # Paper defaults (fmt, inv, repeat) of the relabelling rules (eq. 3): WebShop sets the last two to 0.
 PENALTIES = {"alfworld": (-0.3, -0.2, -0.1), "sciworld": (-0.3, -0.2, -0.1), "webshop": (-0.3, 0.0, 0.0)}
@@ -52,7 +53,7 @@ class Args:
     """no-change penalty (default: -0.1, WebShop 0)"""
     off: bool = False
     """write aux_reward 0 everywhere: the paper's 'w/o RR' ablation"""
-    env: Literal["sciworld", "alfworld", "webshop"] | None = None
+    env: Literal[ENVS] | None = None
     """environment of released records whose id and file name do not name it"""
 
 

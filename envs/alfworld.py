@@ -93,7 +93,8 @@ ACTION_RE = re.compile(r"(go to|open|close|take|put|heat|cool|clean|use|examine)
                        r"(?: (?:from|in/on|with) (.+))?")
 # Putting, in every form an agent may write it; the object and receptacle names are "<word(s)> <number>".
 PUT_RE = re.compile(r"(?:put (.+? \d+) (?:in/on|in|on|into)|move (.+? \d+) to) (.+ \d+)")
-AGENT_PUT, ENGINE_PUTS = "put {0} in/on {1}", {"old": "put {0} in/on {1}", "new": "move {0} to {1}"}
+AGENT_PUT = "put {0} in/on {1}"  # also ALFWorld 0.2.2's own command; 0.4's is "move {0} to {1}"
+ENGINE_PUTS = {"old": AGENT_PUT, "new": "move {0} to {1}"}
 
 
 class AlfWorldEnv(TextEnv):
@@ -218,8 +219,8 @@ class AlfWorldEnv(TextEnv):
         if self._gym is None:
             raise EnvError("call reset() before step()")
         command = str(action).strip()  # the engine strips too; anything else it does not know is "Nothing happens."
-        if command not in self._admissible and (put := PUT_RE.fullmatch(command)):
-            command = self._put.format(put[1] or put[2], put[3])  # the agent's put in this game's words
+        if command not in self._admissible and (put := put_args(command)):
+            command = self._put.format(*put)  # the agent's put in this game's words
         valid = command in self._admissible
         obs, _, _, infos = self._gym.step(command)
         self._steps += 1
@@ -275,10 +276,16 @@ class AlfWorldEnv(TextEnv):
         self._gym, self._game = None, ""
 
 
+def put_args(command: str) -> tuple[str, str] | None:
+    """(object, receptacle) of a put command in any of its forms, else None."""
+    put = PUT_RE.fullmatch(command)
+    return (put[1] or put[2], put[3]) if put else None
+
+
 def to_agent(command: str) -> str:
     """An engine command in the agent's words: every form of putting becomes "put X in/on Y"."""
-    put = PUT_RE.fullmatch(command)
-    return AGENT_PUT.format(put[1] or put[2], put[3]) if put else command
+    put = put_args(command)
+    return AGENT_PUT.format(*put) if put else command
 
 
 def solvable(game: str) -> bool:
