@@ -37,17 +37,23 @@ class Args:
     out: str = "runs/bppo"
     """the next policy checkpoint, args.json and metrics.jsonl"""
     objective: str = "bppo"
-    """bppo (eq. 7) | awr: advantage-weighted regression, the paper's 'w/o PI + AWR' row"""
+    """bppo (eq. 7) | awr: advantage-weighted regression E[exp(A / β) log π], the paper's 'w/o PI + AWR' row"""
     eps_low: float = 0.8
     """clip η from below at 1 − eps_low (the value reported for the paper)"""
     eps_high: float = 0.4
     """clip η from above at 1 + eps_high"""
-    kl_coef: float = 0.05
-    """α: weight of the per-token KL estimate against π_ref"""
+    kl_coef: float | None = None
+    """α: weight of the per-token KL estimate against π_ref (default: 0.05 for bppo, 0 for awr, whose paper
+    form has no KL term)"""
     awr_beta: float = 1.0
-    """AWR temperature: weights exp(A / β), capped at 20"""
-    normalize_adv: bool = True
-    """standardise advantages over the steps of each optimizer batch"""
+    """AWR temperature β: weights exp(A / β) (the paper writes exp(A): β = 1)"""
+    awr_max_weight: float = 100.0
+    """cap on AWR's weights exp(A / β), as IQL's AWR caps them (a guard that A of a few units never reaches)"""
+    normalize_adv: bool = False
+    """standardise advantages over the steps of each optimizer batch (a departure: the paper's process reward
+    is the GAE advantage itself)"""
+    max_grad_norm: float | None = None
+    """clip the gradient's norm (a departure, off in the paper's setting)"""
     epochs: int = 1
     lr: float = 5e-5
     """LoRA learning rate (small: the update must stay near π_old)"""
@@ -72,9 +78,9 @@ def bppo_loss(logp_new, logp_old, advantages, mask, eps_low: float, eps_high: fl
     return -(surrogate * mask).sum() / mask.sum().clamp(min=1)
 
 
-def awr_loss(logp_new, advantages, mask, beta: float) -> torch.Tensor:
+def awr_loss(logp_new, advantages, mask, beta: float, max_weight: float = 100.0) -> torch.Tensor:
     """−mean of exp(A / β) · log π: only raises the probability of actions in the data (paper §1.7)."""
-    weights = torch.exp(advantages / beta).clamp(max=20.0)
+    weights = torch.exp(advantages / beta).clamp(max=max_weight)
     mask = mask.float()
     return -(weights * logp_new * mask).sum() / mask.sum().clamp(min=1)
 
@@ -89,6 +95,8 @@ def main() -> None:
     args = tyro.cli(Args)
     if args.objective not in ("bppo", "awr"):
         raise common.UserError(f"--objective {args.objective!r}: use bppo or awr")
+    if args.kl_coef is None:
+        args.kl_coef = 0.05 if args.objective == "bppo" else 0.0
     if args.threads:
         torch.set_num_threads(args.threads)
     common.seed_everything(args.seed)
@@ -166,7 +174,7 @@ def main() -> None:
                 if args.objective == "bppo":
                     loss = bppo_loss(logp, old, adv, mask, args.eps_low, args.eps_high)
                 else:
-                    loss = awr_loss(logp, adv, mask, args.awr_beta)
+                    loss = awr_loss(logp, adv, mask, args.awr_beta, args.awr_max_weight)
                 kl = (kl_estimate(logp, ref) * mask).sum() / mask.sum()
                 ((loss + args.kl_coef * kl) * share).backward()
                 with torch.no_grad():
@@ -177,7 +185,8 @@ def main() -> None:
                     logs["clip_frac"] += share * ((ratio < 1 - args.eps_low) | (ratio > 1 + args.eps_high)).float().mean().item()
                     logs["entropy"] += share * entropy[mask.bool()].mean().item()
             resume.check_finite(logs, step)
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            if args.max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step, trained = step + 1, trained + len(group)

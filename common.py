@@ -40,9 +40,10 @@ def run_stage(main) -> None:
 
 
 # ----------------------------------------------------------------------------- trajectory schema
-# One trajectory per JSONL line. Later stages add per-step fields (aux_reward, rules, value,
-# advantage, logp_old, logp_ref) without renaming these; collect.py marks an episode cut at --max-length
-# with "truncated": true.
+# One trajectory per JSONL line. Later stages add per-step fields (aux_reward, rules, value, advantage)
+# without renaming these. collect.py writes "truncated": true for an episode the step cap or --max-length
+# cut before the task ended (absent: false), and keeps the state after its last step as a final user turn
+# when it fits (ends_with_state).
 NUMBER = (int, float)
 TRAJ_FIELDS = {"id": str, "env": str, "task": str, "variation": int, "split": str, "source": str,
                "iteration": int, "instruction": str, "initial_observation": str, "messages": list,
@@ -670,22 +671,36 @@ def chat_segments(tokenizer, messages: list[dict], add_generation_prompt: bool =
 
 def tokenize_steps(tokenizer, traj: dict):
     """Token ids of a trajectory's chat and the [start, end) span of each step's answer: the last
-    len(steps) assistant turns (earlier ones are the prompt's, e.g. ETO's "OK" and one-shot example)."""
-    ids, spans = tokenize_chat(tokenizer, traj["messages"])
+    len(steps) assistant turns (earlier ones are the prompt's, e.g. ETO's "OK" and one-shot example).
+
+    A chat that ends with an observation (an episode cut by the step cap, collect.py) ends with the
+    generation prompt after it, as the policy would see it: its last token is where the critic reads the
+    value of that final state."""
+    final_state = ends_with_state(traj)
+    ids, spans = tokenize_chat(tokenizer, traj["messages"], add_generation_prompt=final_state)
     return ids, spans[len(spans) - len(traj["steps"]):]
+
+
+def ends_with_state(traj: dict) -> bool:
+    """Whether the chat holds the state after the last step (its observation as a final user turn)."""
+    return traj["messages"][-1]["role"] == "user"
 
 
 def tokenize_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False):
     """Token ids of the whole chat and, for each assistant turn, its [start, end) token span.
 
     Segments (chat_segments) are tokenized one by one, so a turn's tokens never merge with its
-    neighbours' and the spans are exact; this is also how collect.py feeds the chat to the model."""
+    neighbours' and the spans are exact; this is also how collect.py feeds the chat to the model.
+    A span is what the policy generates: the answer and its end-of-turn token (the template's first special
+    token after the answer), not the text the template adds after that (SmolLM2's and Qwen's newline)."""
+    special = set(tokenizer.all_special_ids)
     ids, spans = [], []
     for text, is_answer in chat_segments(tokenizer, messages, add_generation_prompt):
         start = len(ids)
         ids += tokenizer(text, add_special_tokens=False)["input_ids"]
         if is_answer:
-            spans.append((start, len(ids)))
+            end = next((i + 1 for i in range(start, len(ids)) if ids[i] in special), len(ids))
+            spans.append((start, end))
     if len(spans) != sum(m["role"] == "assistant" for m in messages):
         raise MaskError("the chat template renders an assistant turn as nothing; its tokens cannot be located")
     return ids, spans

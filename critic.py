@@ -3,8 +3,12 @@ per-step process rewards (GAE advantages) for the policy update.
 
     L_V = Σ_t w_t · L_2^m(Q̄_t − V_t),  L_2^m(δ) = |m − 1(δ<0)| δ²          (eqs. 1, 5)
     L_Q = Σ_t w_t · (r_t + γ V_{t+1} − Q_t)²,  r_t = r_env + r_aux              (eqs. 2, 5)
-    w_t = 0.5 · (t/T + d) + 0.5,  d = 1 if the trajectory's final reward > 0    (eq. 4)
+    w_t = 0.5 · (t/T + d) + 0.5,  d = 1 if the episode succeeded                (eq. 4)
     A_t = δ_t + γλ A_{t+1},  δ_t = r_env,t + γ V_{t+1} − V_t                    (eq. 6)
+
+V_{T} after the last step is 0 when the task ended there, and the critic's own V of the state after the last
+step when the step cap or the length limit cut the episode (collect.py's `truncated`): a cut episode says
+nothing about what came next, so it must not be read as a failure.
 
 The critic is the policy's base model with its own LoRA adapter `critic` and two fp32 scalar heads on the
 last hidden state: V read at the last token of the state (the chat up to o_t, i.e. the end of the generation
@@ -24,6 +28,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import tyro
@@ -56,16 +61,25 @@ class Args:
     """drop d from w_t"""
     no_temporal_weight: bool = False
     """drop t/T from w_t"""
+    d_from: Literal["success", "reward"] = "success"
+    """d of eq. 4: the environment's success flag, or 'reward': the episode's steps earned a positive reward
+    (the paper's "ended with a non-zero reward", without the score some ScienceWorld tasks give before any step)"""
+    bootstrap_truncated: bool = True
+    """an episode cut by the step cap or length bootstraps from V of its last state; off: from 0, as if the
+    task had ended (for comparison)"""
     epochs: int = 3
     lr: float = 2e-4
     """LoRA learning rate"""
     head_lr: float = 1e-3
     grad_accum: int = 4
     """trajectories per optimizer step"""
+    max_grad_norm: float | None = None
+    """clip the gradient's norm (a departure, off in the paper's setting)"""
     save_every: int = 50
     """optimizer steps between resume states in <out>/resume/ (also at every epoch's end)"""
-    heldout_frac: float = 0.1
-    """trajectories kept out of training to measure the AUC of V_0 (success vs failure)"""
+    heldout_frac: float = 0.0
+    """trajectories kept out of critic training to measure V on unseen ones (a departure: the paper trains on
+    all of D); they are still scored for the policy update"""
     max_length: int = 4096
     """longest chat in tokens; a longer one is an error, never silently cut"""
     lora_r: int = 16
@@ -74,9 +88,10 @@ class Args:
     """4-bit nf4 base; default: on with CUDA, off on CPU"""
     grad_ckpt: bool | None = None
     """gradient checkpointing; default: on with CUDA (activation memory), off on CPU (1.4x faster at 135M)"""
-    refit_rounds: int = 20
+    refit_rounds: int = 0
     """after the gradient steps, rounds of fitted IQL that solve eqs. 1, 2, 4, 5 exactly for the heads on the
-    critic's features (see fit_heads); 0 keeps the heads as the gradient steps left them"""
+    critic's features (see fit_heads); a departure for short runs, 0 (the paper) keeps the heads as the
+    gradient steps left them"""
     refit_ridge: float = 0.1
     """ridge λ of those least-squares solves, on standardised features"""
     seed: int = 1
@@ -137,9 +152,11 @@ class Heads(torch.nn.Module):
 
 
 def encode(tok, traj: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Token ids and the V / Q read positions of every step (see the module docstring)."""
+    """Token ids and the V / Q read positions of every step (see the module docstring); a chat that holds the
+    state after the last step (a cut episode) has one more V position, its last token."""
     ids, spans = common.tokenize_steps(tok, traj)
-    return (torch.tensor([ids]), torch.tensor([s - 1 for s, _ in spans]), torch.tensor([e - 1 for _, e in spans]))
+    v_pos = [s - 1 for s, _ in spans] + ([len(ids) - 1] if common.ends_with_state(traj) else [])
+    return torch.tensor([ids]), torch.tensor(v_pos), torch.tensor([e - 1 for _, e in spans])
 
 
 def features(model, ids, v_pos, q_pos) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,20 +176,39 @@ def critic_rewards(traj: dict) -> torch.Tensor:
     return torch.tensor([s["env_reward"] + s["aux_reward"] for s in traj["steps"]])
 
 
+def succeeded(traj: dict, args: Args) -> bool:
+    """d of eq. 4 (--d-from)."""
+    if args.d_from == "success":
+        return traj["success"]
+    return sum(s["env_reward"] for s in traj["steps"]) > 0
+
+
 def step_weights(traj: dict, args: Args) -> torch.Tensor:
     """w_t of eq. 4, or the ablations' versions of it."""
     T = len(traj["steps"])
     if args.no_weights:
         return torch.ones(T)
-    return iql_weights(T, traj["reward"] > 0, not args.no_temporal_weight, not args.no_success_weight)
+    return iql_weights(T, succeeded(traj, args), not args.no_temporal_weight, not args.no_success_weight)
+
+
+def bootstraps(traj: dict, args: Args) -> bool:
+    """Whether V after the last step is the critic's (a cut episode) rather than 0 (the task ended)."""
+    return args.bootstrap_truncated and traj.get("truncated", False)
+
+
+def next_values(traj: dict, V: torch.Tensor, args: Args) -> torch.Tensor:
+    """V_{t+1} for every step t. After the last step: 0 when the task ended; for a cut episode, V of the last
+    state the chat holds (the state after the last step; the state before it when that did not fit)."""
+    T = len(traj["steps"])
+    return torch.cat([V[1:T], V[-1:] if bootstraps(traj, args) else V.new_zeros(1)])
 
 
 def iql_loss(traj: dict, V, Q, Q_target, args: Args) -> tuple[torch.Tensor, dict]:
+    """Eqs. 1, 2, 5 for one trajectory, summed over its steps; V may hold one more state than there are steps."""
     r = critic_rewards(traj).to(V.device)
     w = step_weights(traj, args).to(V.device)
-    v_next = torch.cat([V[1:].detach(), V.new_zeros(1)])  # V after the last step is 0
-    loss_q = (w * (r + args.gamma * v_next - Q) ** 2).sum()
-    loss_v = (w * expectile_loss(Q_target.detach() - V, args.expectile)).sum()
+    loss_q = (w * (r + args.gamma * next_values(traj, V.detach(), args) - Q) ** 2).sum()
+    loss_v = (w * expectile_loss(Q_target.detach() - V[:len(Q)], args.expectile)).sum()
     return loss_q + loss_v, {"loss_q": loss_q.item(), "loss_v": loss_v.item()}
 
 
@@ -187,19 +223,25 @@ def fit_heads(heads: Heads, feats: list[tuple[torch.Tensor, torch.Tensor]], traj
     vary by ~0.15), and Adam on the heads alone was still at a V_0 AUC of 0.72 after 5000 full-batch updates
     where the exact solution reaches 0.80 (README, Critic). The solves run in float64 on standardised features
     with a ridge penalty λ on every weight but the bias, and are folded back into the two linear heads."""
-    hv = torch.cat([v for v, _ in feats]).double().cpu()
+    hv = torch.cat([v for v, _ in feats]).double().cpu()  # every state, incl. the state after a cut episode
     hq = torch.cat([q for _, q in feats]).double().cpu()
     r = torch.cat([critic_rewards(t) for t in trajs]).double()
     w = torch.cat([step_weights(t, args) for t in trajs]).double()
-    # index of V_{t+1} in hv for every step; `last` marks the steps that bootstrap from 0 instead
-    ends = torch.cumsum(torch.tensor([len(t["steps"]) for t in trajs]), 0)
-    last = torch.zeros(len(r), dtype=torch.bool)
-    last[ends - 1] = True
-    nxt = torch.arange(1, len(r) + 1).clamp(max=len(r) - 1)
+    # for every step: the row of its state in hv, the row of the next state, and whether that next value counts
+    # (0 after an ended task); next_values() with row numbers in place of values
+    rows, nxt, live, start = [], [], [], 0
+    for (v, _), t in zip(feats, trajs):
+        T, index = len(t["steps"]), torch.arange(start, start + len(v), dtype=torch.float64)
+        rows.append(index[:T])
+        nxt.append(next_values(t, index, args))
+        live.append(torch.tensor([1.0] * (T - 1) + [float(bootstraps(t, args))], dtype=torch.float64))
+        start += len(v)
+    rows, nxt, live = torch.cat(rows).long(), torch.cat(nxt).long(), torch.cat(live)
     both = torch.cat([hv, hq])
     mu, sd = both.mean(0), both.std(0).clamp_min(1e-3)
     ones = torch.ones(len(r), 1, dtype=torch.float64)
-    xv, xq = torch.cat([(hv - mu) / sd, ones], 1), torch.cat([(hq - mu) / sd, ones], 1)
+    x_all = torch.cat([(hv - mu) / sd, torch.ones(len(hv), 1, dtype=torch.float64)], 1)
+    xv, xq = x_all[rows], torch.cat([(hq - mu) / sd, ones], 1)
     penalty = torch.full((xv.shape[1],), args.refit_ridge, dtype=torch.float64)
     penalty[-1] = 0.0
 
@@ -212,8 +254,8 @@ def fit_heads(heads: Heads, feats: list[tuple[torch.Tensor, torch.Tensor]], traj
 
     bv = from_head(heads.v)
     for _ in range(args.refit_rounds):
-        v_prev = xv @ bv
-        target = r + args.gamma * torch.where(last, 0.0, v_prev[nxt])
+        v_prev = x_all @ bv
+        target = r + args.gamma * live * v_prev[nxt]
         bq = solve(xq, target, w)
         q = xq @ bq
         for _ in range(10):
@@ -222,23 +264,25 @@ def fit_heads(heads: Heads, feats: list[tuple[torch.Tensor, torch.Tensor]], traj
         a = b[:-1] / sd
         layer.weight.copy_(a[None].to(layer.weight))
         layer.bias.copy_((b[-1] - a @ mu)[None].to(layer.bias))
-    v = xv @ bv
+    v = x_all @ bv
     return {"loss_q": float((w * (target - q) ** 2).sum() / len(r)),
-            "loss_v": float((w * expectile_loss(q - v, args.expectile)).sum() / len(r)),
+            "loss_v": float((w * expectile_loss(q - v[rows], args.expectile)).sum() / len(r)),
             "last_round_change": float((v - v_prev).abs().max())}
 
 
 def process_rewards(traj: dict, V: torch.Tensor, Q: torch.Tensor, args: Args) -> torch.Tensor:
+    """A_t of every step (--process-reward); V may hold the state after a cut episode's last step."""
     steps = traj["steps"]
     r_env = torch.tensor([s["env_reward"] for s in steps])
-    v_ext = torch.cat([V, V.new_zeros(1)])
+    V_next, V = next_values(traj, V, args), V[:len(steps)]
+    v_ext = torch.cat([V, V_next[-1:]])  # V_0 .. V_T, the last one 0 after an ended task
     if args.process_reward == "gae":
         return gae(r_env, v_ext, args.gamma, args.gae_lambda)
     if args.process_reward == "gae_aux":
         return gae(critic_rewards(traj), v_ext, args.gamma, args.gae_lambda)
     if args.process_reward == "q_minus_v":
         return Q - V
-    return r_env + args.gamma * v_ext[1:] - V  # shaping
+    return r_env + args.gamma * V_next - V  # shaping
 
 
 def auc(pos: list[float], neg: list[float]) -> float:
@@ -353,7 +397,9 @@ def main() -> None:
                 for k, v in parts.items():
                     logs[k] += v / n_trans
             resume.check_finite(logs, step)
-            torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 1.0)
+            if args.max_grad_norm:
+                torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]],
+                                               args.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             heads.update_target(args.tau)
@@ -380,25 +426,23 @@ def main() -> None:
     resume.done()
 
     # Process rewards for every trajectory, and the first check that V learned something: V of successes against
-    # failures on trajectories the critic never trained on, at the first state and averaged over all states.
-    # And whether V fits what it regresses on: its correlation, state by state, with the discounted return-to-go
-    # of the same rewards (GAE with V = 0 and λ = 1 is exactly that return).
-    scored, v0, heldout = [], defaultdict(lambda: {"success": [], "failure": []}), []
-    fit = {"train": ([], []), "heldout": ([], [])}
+    # failures (AUC), at the first state and averaged over the states, on the trajectories the critic trained on
+    # and on those it never saw (--heldout-frac). And whether V fits what it regresses on: its correlation, state
+    # by state, with the discounted return-to-go of the same rewards (GAE with V = 0 and λ = 1 is that return).
+    scored, v0 = [], defaultdict(lambda: {"success": [], "failure": []})
+    seen = {"train": [], "heldout": []}  # (task, success, V_0, mean V, V of every step, return of every step)
     with torch.no_grad():
         for k, traj in enumerate(trajs):
             V, Q, _ = (x.cpu() for x in heads(*feats[k]))
             adv = process_rewards(traj, V, Q, args)
+            V = V[:len(traj["steps"])]
             steps = [{**s, "value": float(V[t]), "advantage": float(adv[t])} for t, s in enumerate(traj["steps"])]
             scored.append({**traj, "steps": steps})
             v0[(traj["env"], traj["source"])]["success" if traj["success"] else "failure"].append(float(V[0]))
             r = critic_rewards(traj)
-            values_seen, returns_seen = fit["heldout" if k in held else "train"]
-            values_seen.extend(V.tolist())
-            returns_seen.extend(gae(r, torch.zeros(len(r) + 1), args.gamma, 1.0).tolist())
-            if k in held:
-                heldout.append(((traj["env"], traj["task"], traj["variation"]), traj["success"], float(V[0]),
-                                float(V.mean())))
+            seen["heldout" if k in held else "train"].append(
+                ((traj["env"], traj["task"], traj["variation"]), traj["success"], float(V[0]), float(V.mean()),
+                 V.tolist(), gae(r, torch.zeros(len(r) + 1), args.gamma, 1.0).tolist()))
     out_data = Path(args.out_data or out / "scored.jsonl")
     out_data.parent.mkdir(parents=True, exist_ok=True)
     common.write_jsonl(out_data, scored)
@@ -410,22 +454,23 @@ def main() -> None:
     for (env, source), g in sorted(v0.items()):
         print(f"{env:<10} {source:<7} {mean(g['success']):>12.3f} {mean(g['failure']):>12.3f} "
               f"{len(g['success']) + len(g['failure']):>6}")
-    tasks, ok, first, average = zip(*heldout) if heldout else ((), (), (), ())
+    report = {"process_reward": args.process_reward, **{f"refit_{k}": v for k, v in refit.items()}}
+    for part, rows in seen.items():
+        tasks, ok, first, average, vs, returns = zip(*rows) if rows else ((),) * 6
 
-    def held_auc(scores):
-        return auc([x for x, y in zip(scores, ok) if y], [x for x, y in zip(scores, ok) if not y])
+        def part_auc(scores):
+            return auc([x for x, y in zip(scores, ok) if y], [x for x, y in zip(scores, ok) if not y])
 
-    report = {"heldout_auc_v0": held_auc(first), "heldout_auc_v0_ceiling": first_state_ceiling(tasks, ok),
-              "heldout_auc_mean_v": held_auc(average), "heldout": len(held), "heldout_successes": sum(ok),
-              "return_corr_train": correlation(*fit["train"]), "return_corr_heldout": correlation(*fit["heldout"]),
-              "process_reward": args.process_reward, **{f"refit_{k}": v for k, v in refit.items()}}
+        report |= {f"{part}_auc_v0": part_auc(first), f"{part}_auc_v0_ceiling": first_state_ceiling(tasks, ok),
+                   f"{part}_auc_mean_v": part_auc(average), part: len(rows), f"{part}_successes": sum(ok),
+                   f"return_corr_{part}": correlation([v for x in vs for v in x], [g for x in returns for g in x])}
+        if rows:
+            print(f"{part:>8}: {len(rows)} trajectories ({sum(ok)} successes); AUC success vs failure: V_0 "
+                  f"{report[f'{part}_auc_v0']:.3f} (the most any function of the first state could reach here: "
+                  f"{report[f'{part}_auc_v0_ceiling']:.3f}), V averaged over the states "
+                  f"{report[f'{part}_auc_mean_v']:.3f}; correlation of V with the discounted return, state by "
+                  f"state: {report[f'return_corr_{part}']:.3f}")
     common.write_json(out / "eval.json", report)
-    print(f"held-out AUC, success vs failure, on {len(held)} trajectories ({report['heldout_successes']} "
-          f"successes): V_0 {report['heldout_auc_v0']:.3f} (the most any function of the first state could "
-          f"reach here: {report['heldout_auc_v0_ceiling']:.3f}); V averaged over the states "
-          f"{report['heldout_auc_mean_v']:.3f}")
-    print(f"correlation of V with the discounted return, state by state: {report['return_corr_train']:.3f} on "
-          f"training trajectories, {report['return_corr_heldout']:.3f} held out")
     print(f"critic written to {out}; scored trajectories to {out_data}")
 
 

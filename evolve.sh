@@ -7,6 +7,7 @@
 #   SMOKE=1 bash evolve.sh                 # the whole loop on the tiny model and two tasks, in minutes
 #   PRESET=7b ENV=alfworld bash evolve.sh  # Llama-2-7B-Chat, 4-bit QLoRA, all tasks, ETO's prompt: one 24 GB GPU
 #   PROMPT=eto bash evolve.sh              # ETO's instruction and one-shot example (the paper's protocol), ETO's step caps
+#   DRY_RUN=1 bash evolve.sh               # print the settings and every stage's command, run nothing
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -17,11 +18,13 @@ fi
 if [ "${PRESET:-}" = 7b ]; then  # one 24 GB GPU, paper scale: every task of the env, its own step cap
   : "${MODEL:=meta-llama/Llama-2-7b-chat-hf}" "${TASKS=}" "${NUM_DEMOS:=0}" "${NUM_TASKS:=0}" "${NUM_EVAL:=0}" "${MAX_STEPS=}"
   : "${BC_EPOCHS:=3}" "${CRITIC_EPOCHS:=2}" "${BPPO_LR:=1e-5}" "${GRAD_ACCUM:=16}" "${BC_ACCUM:=16}" "${CRITIC_ACCUM:=16}"
-  : "${MAX_NEW_TOKENS:=128}" "${SAMPLES:=3}" "${CRITIC_TAU:=0.005}" "${PROMPT:=eto}"
+  : "${MAX_NEW_TOKENS:=128}" "${SAMPLES:=3}" "${CRITIC_TAU:=0.005}" "${PROMPT:=eto}" "${DEPARTURES:=none}"
 elif [ -n "${PRESET:-}" ]; then
   echo "PRESET=$PRESET: the only preset is 7b" >&2; exit 2
 fi
-: "${ENV:=sciworld}" "${MODEL:=smollm2-135m}" "${ITERS:=2}" "${RUN:=runs/evolve-$ENV}"
+# the paper's iterations: 3 on WebShop, 2 on ScienceWorld and ALFWorld
+[ "${ENV:=sciworld}" = webshop ] && : "${ITERS:=3}"
+: "${MODEL:=smollm2-135m}" "${ITERS:=2}" "${RUN:=runs/evolve-$ENV}"
 # PROMPT=eto: ETO's prompt (data/eto/) in expert data and rollouts, and ETO's step caps unless MAX_STEPS is set.
 : "${PROMPT:=short}"
 case "$PROMPT" in short) ;; eto) : "${MAX_STEPS=}" ;; *) echo "PROMPT=$PROMPT: use short or eto" >&2; exit 2 ;; esac
@@ -37,32 +40,54 @@ case "$PROMPT" in short) ;; eto) : "${MAX_STEPS=}" ;; *) echo "PROMPT=$PROMPT: u
 : "${NUM_DEMOS:=18}" "${NUM_TASKS:=12}" "${NUM_EVAL:=8}" "${SAMPLES:=2}" "${TEMPERATURE:=0.7}" "${MAX_STEPS=12}"
 : "${BC_EPOCHS:=8}" "${CRITIC_EPOCHS:=1}" "${BPPO_EPOCHS:=1}" "${BPPO_LR:=1e-4}" "${NUM_ENVS:=8}" "${GRAD_ACCUM:=4}"
 : "${BC_ACCUM:=2}" "${CRITIC_ACCUM:=1}" "${CRITIC_TAU:=0.1}" "${MAX_NEW_TOKENS:=48}"
-: "${ABLATION:=none}" "${PROCESS_REWARD:=gae}" "${KEEP_SELF:=0}"
+: "${ABLATION:=none}" "${PROCESS_REWARD:=gae}" "${KEEP_SELF:=0}" "${CANDIDATES:=5}"
+bc_extra=() critic_extra=() bppo_extra=()
+# What we add to the paper's algorithm for small data on a CPU, each a flag (README, "Where we depart from the
+# paper"); PRESET=7b runs none of them (DEPARTURES=none). exact_fit: the critic's heads re-solved by least squares after training;
+# heldout: 10% of the demonstrations kept out of BC and of the hybrid data kept out of critic training, for
+# their diagnostics; adv_norm: advantages
+# standardised per optimizer batch; grad_clip: gradient norms clipped at 1 in the critic and BPPO.
+: "${DEPARTURES=exact_fit heldout adv_norm grad_clip}"
+for departure in $DEPARTURES; do
+  case "$departure" in
+    none) ;;
+    exact_fit) critic_extra+=(--refit-rounds 20) ;;
+    heldout) bc_extra+=(--eval-frac 0.1) critic_extra+=(--heldout-frac 0.1) ;;
+    adv_norm) bppo_extra+=(--normalize-adv) ;;
+    grad_clip) critic_extra+=(--max-grad-norm 1.0) bppo_extra+=(--max-grad-norm 1.0) ;;
+    *) echo "DEPARTURES: $departure is none of exact_fit heldout adv_norm grad_clip (or none)" >&2; exit 2 ;;
+  esac
+done
 
-relabel_flags=() critic_extra=() bppo_extra=()
+relabel_flags=()
 case "$ABLATION" in  # the rows of the paper's Table 3
   none) ;;
   no_rr) relabel_flags=(--off) ;;
-  no_wiql) critic_extra=(--no-weights) ;;
+  no_wiql) critic_extra+=(--no-weights) ;;
   no_gae) PROCESS_REWARD=q_minus_v ;;
-  awr) bppo_extra=(--objective awr) ;;
-  *) echo "ABLATION=$ABLATION: use none, no_rr, no_wiql, no_gae or awr" >&2; exit 2 ;;
+  no_pi) ;;  # no policy update: the BC policy, with the critic choosing among CANDIDATES sampled answers per step
+  awr) bppo_extra+=(--objective awr) ;;
+  *) echo "ABLATION=$ABLATION: use none, no_rr, no_wiql, no_gae, no_pi or awr" >&2; exit 2 ;;
 esac
 critic_flags=(--process-reward "$PROCESS_REWARD" --epochs "$CRITIC_EPOCHS" --grad-accum "$CRITIC_ACCUM" --tau "$CRITIC_TAU"
               "${critic_extra[@]}")
 bppo_flags=(--epochs "$BPPO_EPOCHS" --lr "$BPPO_LR" --grad-accum "$GRAD_ACCUM" "${bppo_extra[@]}")
 settings=$(for v in ENV MODEL ITERS TASKS NUM_DEMOS NUM_TASKS NUM_EVAL SAMPLES TEMPERATURE MAX_STEPS BC_EPOCHS \
                     CRITIC_EPOCHS BPPO_EPOCHS BPPO_LR NUM_ENVS GRAD_ACCUM BC_ACCUM CRITIC_ACCUM CRITIC_TAU MAX_NEW_TOKENS ABLATION PROCESS_REWARD \
-                    KEEP_SELF PROMPT; do
+                    KEEP_SELF PROMPT DEPARTURES CANDIDATES; do
   printf '%-15s %s\n' "$v" "${!v}"; done)
 printf 'RUN            %s\n%s\n' "$RUN" "$settings"
-mkdir -p "$RUN"
-if [ -f "$RUN/settings.txt" ] && [ "$(cat "$RUN/settings.txt")" != "$settings" ]; then
-  echo "$RUN holds a run with other settings (see $RUN/settings.txt): choose another RUN, or delete it" >&2
-  diff <(echo "$settings") "$RUN/settings.txt" >&2 || true
-  exit 2
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  echo "DRY_RUN=1: the stages' commands, none run"
+else
+  mkdir -p "$RUN"
+  if [ -f "$RUN/settings.txt" ] && [ "$(cat "$RUN/settings.txt")" != "$settings" ]; then
+    echo "$RUN holds a run with other settings (see $RUN/settings.txt): choose another RUN, or delete it" >&2
+    diff <(echo "$settings") "$RUN/settings.txt" >&2 || true
+    exit 2
+  fi
+  echo "$settings" > "$RUN/settings.txt"
 fi
-echo "$settings" > "$RUN/settings.txt"
 select=(--env "$ENV" --prompt "$PROMPT")
 [ -n "$MAX_STEPS" ] && select+=(--max-steps "$MAX_STEPS")
 [ -n "$TASKS" ] && select+=(--task-names $TASKS)
@@ -72,35 +97,44 @@ select=(--env "$ENV" --prompt "$PROMPT")
 
 stage() {  # stage DIR COMMAND...: run COMMAND unless DIR/.done says it already finished
   local dir=$1; shift
+  if [ "${DRY_RUN:-0}" = 1 ]; then echo "[dry]  $dir: $*"; return; fi
   if [ -f "$dir/.done" ]; then echo "[done] $dir"; return; fi
   mkdir -p "$dir" && echo "[run]  $dir: $*"
   "$@"
   touch "$dir/.done"
 }
-evaluate() {  # evaluate ITER POLICY: greedy episodes on seen and unseen tasks
+evaluate() {  # evaluate ITER POLICY [CRITIC]: greedy episodes on seen and unseen tasks; with a critic, its pick
+  local decode=(--temperature 0)  # of CANDIDATES answers sampled at TEMPERATURE
+  [ -n "${3:-}" ] && decode=(--temperature "$TEMPERATURE" --rerank-with "$3" --candidates "$CANDIDATES")
   for split in seen unseen; do
     stage "$RUN/$1/eval_$split" python collect.py "${select[@]}" --policy "$2" --split $split \
-      "${eval_tasks[@]}" --num-envs "$NUM_ENVS" --max-new-tokens "$MAX_NEW_TOKENS" --temperature 0 --iteration "$1" --out "$RUN/$1/eval_$split/episodes.jsonl"
+      "${eval_tasks[@]}" --num-envs "$NUM_ENVS" --max-new-tokens "$MAX_NEW_TOKENS" "${decode[@]}" --iteration "$1" --out "$RUN/$1/eval_$split/episodes.jsonl"
   done
 }
 
 expert=$RUN/0/expert/train.jsonl
 stage "$RUN/0/expert" python collect.py "${select[@]}" --policy expert --split train "${demo_tasks[@]}" --out "$expert"
-stage "$RUN/0/bc" python bc.py --data "$expert" --model "$MODEL" --epochs "$BC_EPOCHS" --grad-accum "$BC_ACCUM" --out "$RUN/0/bc"
+stage "$RUN/0/bc" python bc.py --data "$expert" --model "$MODEL" --epochs "$BC_EPOCHS" --grad-accum "$BC_ACCUM" --out "$RUN/0/bc" \
+  "${bc_extra[@]}"
 evaluate 0 "$RUN/0/bc"
-policy=$RUN/0/bc selves=()
+policy=$RUN/0/bc selves=() rerank=()
 for it in $(seq 1 "$ITERS"); do
   d=$RUN/$it
-  stage "$d/collect" python collect.py "${select[@]}" --policy "$policy" --split train "${train_tasks[@]}" \
+  stage "$d/collect" python collect.py "${select[@]}" --policy "$policy" --split train "${train_tasks[@]}" "${rerank[@]}" \
     --samples-per-task "$SAMPLES" --num-envs "$NUM_ENVS" --max-new-tokens "$MAX_NEW_TOKENS" --temperature "$TEMPERATURE" --iteration "$it" --out "$d/collect/self.jsonl"
   # paper §1.1: this iteration's self-generated data replaces the last one's; expert data stays
   [ "$KEEP_SELF" = 1 ] && selves+=("$d/collect/self.jsonl") || selves=("$d/collect/self.jsonl")
   stage "$d/relabel" python relabel.py "$expert" "${selves[@]}" --out "$d/relabel/hybrid.jsonl" "${relabel_flags[@]}"
   stage "$d/critic" python critic.py --data "$d/relabel/hybrid.jsonl" --policy "$policy" --out "$d/critic" \
     "${critic_flags[@]}"  # re-trained from scratch every iteration, on this iteration's data only
+  if [ "$ABLATION" = no_pi ]; then  # the agent is the BC policy with this critic's pick; it collects the next data
+    rerank=(--rerank-with "$d/critic" --candidates "$CANDIDATES")
+    evaluate "$it" "$policy" "$d/critic"
+    continue
+  fi
   stage "$d/bppo" python bppo.py --data "$d/critic/scored.jsonl" --policy "$policy" --reference "$RUN/0/bc" \
     --out "$d/bppo" "${bppo_flags[@]}"
   policy=$d/bppo  # the policy continues from the last iteration's
   evaluate "$it" "$policy"
 done
-python tools/results.py "$RUN" "$ITERS"
+[ "${DRY_RUN:-0}" = 1 ] || python tools/results.py "$RUN" "$ITERS"

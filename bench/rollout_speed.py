@@ -39,10 +39,11 @@ def run(args: Args, model, tok, num_envs: int, kv_cache: bool) -> tuple[float, l
     cargs = collect.Args(env=args.env, out="-", policy=args.policy, temperature=0.0, num_envs=num_envs,
                          max_new_tokens=args.max_new_tokens, kv_cache=kv_cache)
     trajs, t0, room = [], time.time(), collect.chat_room(cargs, model)
+    limit = common.length_limit(cargs.max_length, model)
     prompt = common.Prompt("short", args.env, envs[0].system_prompt)
     for start in range(0, len(tasks), num_envs):
         wave = zip(envs, tasks[start:start + num_envs])
-        convs = [collect.Conversation(env, task, task.key, tok, room, prompt) for env, task in wave]
+        convs = [collect.Conversation(env, task, task.key, tok, room, limit, prompt) for env, task in wave]
         trajs += [c.result(0) for c in collect.play_policy(convs, model, tok, cargs)]
     elapsed = time.time() - t0
     for env in envs:

@@ -8,6 +8,9 @@ Every adapter plays *one* episode at a time:
     obs, env_reward, done, info = env.step("look around")   # env_reward on a 0..1 scale
     env.expert_action()                    # the expert's next action, or None when it has none
 
+`done` is true when the task ended (info["terminated"]: won, or lost for good) or the step cap was reached;
+the two differ for the critic, which bootstraps from V after a cut episode and from 0 after an ended task.
+
 The adapters return the environment's own feedback text unchanged (e.g. ALFWorld's
 "Nothing happens.", ScienceWorld's "No known action matches that input."), because the
 retrospective relabelling (relabel.py, paper eq. 3) keys on that text, not on adapter flags.

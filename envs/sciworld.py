@@ -185,9 +185,10 @@ class SciWorldEnv(TextEnv):
         score = max(raw, 0)  # a wrong 'focus on' gives -100 and ends the episode; the paper scores it 0
         reward, self._score = (score - self._score) / 100, score
         won = bool(sw.server.getCompleted()) and raw >= 100
-        done = bool(sw.server.getCompleted()) or raw < 0 or self._t >= self.max_steps
+        terminated = bool(sw.server.getCompleted()) or raw < 0  # the task ended, won or lost
         valid = not obs.startswith(REJECTIONS)
-        return obs, reward, done, {"score": score / 100, "won": won, "valid": valid}
+        return obs, reward, terminated or self._t >= self.max_steps, {"score": score / 100, "won": won, "valid": valid,
+                                                                      "terminated": terminated}
 
     def expert_action(self) -> str | None:
         return self._gold[self._t] if self._t < len(self._gold) else None

@@ -159,7 +159,8 @@ class WebShopEnv(TextEnv):
         obs, reward, bought, valid = self.act_real(action) if self.real else self.act(action)
         self.score = reward if bought else self.score
         self.done = bought or self.t >= self.max_steps
-        return obs, reward, self.done, {"score": self.score, "won": self.score == 1.0, "valid": valid}
+        return obs, reward, self.done, {"score": self.score, "won": self.score == 1.0, "valid": valid,
+                                        "terminated": bought}
 
     def act_real(self, action: str) -> tuple[str, float, bool, bool]:
         available = self.real.get_available_actions()

@@ -56,7 +56,10 @@ def sum_logp(checkpoint, traj):
 @pytest.mark.parametrize("objective", ["bppo", "awr"])
 def test_update_raises_positive_and_lowers_negative_actions(objective, tiny_policy, sciworld_expert, tmp_path):
     good, bad = common.read_jsonl(sciworld_expert)
-    for traj, a in ((good, 1.0), (bad, -1.0)):
+    # The two share most of their tokens ("Thought: ... Action: ..."), so one LoRA update moves both: with +1 on
+    # the longer one's 12 steps and −1 on the other's 5, raising the first raised the second too (+3 nats). The
+    # advantages sum to 0 over the batch instead, as they would after standardising them.
+    for traj, a in ((good, 1.0), (bad, -len(good["steps"]) / len(bad["steps"]))):
         for s in traj["steps"]:
             s["advantage"] = a
     data = tmp_path / "scored.jsonl"
@@ -104,3 +107,50 @@ def test_reference_equal_to_policy_takes_one_pass_with_the_same_result(tiny_poli
     for a, b in zip(runs["same"][1], runs["copy"][1]):
         assert a["loss"] == b["loss"] and a["kl_ref"] == b["kl_ref"]
     assert sum_logp(tmp_path / "same", trajs[0]) == sum_logp(tmp_path / "copy", trajs[0])
+
+
+def _scored(sciworld_expert, tmp_path, name, transform=lambda a: a):
+    trajs = common.read_jsonl(sciworld_expert)
+    raw = [[0.1 * (t + 1) * (1 if k else -1) for t in range(len(traj["steps"]))] for k, traj in enumerate(trajs)]
+    flat = torch.tensor([a for row in raw for a in row])
+    for traj, row in zip(trajs, raw):
+        for s, a in zip(traj["steps"], row):
+            s["advantage"] = transform(a, flat)
+    common.write_jsonl(tmp_path / name, trajs)
+    return tmp_path / name
+
+
+def _policy_weights(out):
+    from safetensors.torch import load_file
+    return load_file(str(out / "policy" / "adapter_model.safetensors"))
+
+
+def test_departure_flags_do_what_they_say(tiny_policy, sciworld_expert, tmp_path):
+    """--normalize-adv is exactly per-batch standardisation; --max-grad-norm only clips."""
+    raw = _scored(sciworld_expert, tmp_path, "raw.jsonl", lambda a, flat: a)
+    std = _scored(sciworld_expert, tmp_path, "std.jsonl",
+                  lambda a, flat: ((a - flat.mean()) / (flat.std() + 1e-8)).item())
+    base = ["--policy", str(tiny_policy), "--reference", str(tiny_policy), "--epochs", "2", "--lr", "1e-3",
+            "--grad-accum", "2"]  # one optimizer batch holds both trajectories: standardised over the same steps
+    runs = {"norm": (raw, ["--normalize-adv"]), "pre": (std, []), "raw": (raw, []),
+            "loose_clip": (raw, ["--max-grad-norm", "1e9"]), "tight_clip": (raw, ["--max-grad-norm", "1e-3"])}
+    weights = {}
+    for name, (data, extra) in runs.items():
+        run_script("bppo.py", "--data", str(data), "--out", str(tmp_path / name), *base, *extra)
+        weights[name] = _policy_weights(tmp_path / name)
+
+    def same(a, b, tol):
+        return all(torch.allclose(weights[a][k], weights[b][k], atol=tol, rtol=0) for k in weights[a])
+
+    assert same("norm", "pre", 1e-6) and not same("norm", "raw", 1e-6)
+    assert same("loose_clip", "raw", 0) and not same("tight_clip", "raw", 1e-6)
+
+
+def test_awr_has_no_kl_term_unless_asked(tiny_policy, sciworld_expert, tmp_path):
+    data = _scored(sciworld_expert, tmp_path, "raw.jsonl", lambda a, flat: a)
+    awr = ["--objective", "awr"]
+    for name, extra in (("bppo", []), ("awr", awr), ("awr_kl", awr + ["--kl-coef", "0.05"])):
+        run_script("bppo.py", "--data", str(data), "--policy", str(tiny_policy), "--reference", str(tiny_policy),
+                   "--out", str(tmp_path / name), "--epochs", "1", *extra)
+    kl = {n: json.loads((tmp_path / n / "args.json").read_text())["kl_coef"] for n in ("bppo", "awr", "awr_kl")}
+    assert kl == {"bppo": 0.05, "awr": 0.0, "awr_kl": 0.05}

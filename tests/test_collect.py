@@ -1,6 +1,9 @@
-"""collect.py's expert export on the real ScienceWorld."""
+"""collect.py: expert export on the real ScienceWorld, policy rollouts, episode ends, the critic's rerank."""
 import json
 from types import SimpleNamespace
+
+import pytest
+import torch
 
 import common
 from conftest import run_script
@@ -38,9 +41,10 @@ def test_policy_rollouts_batched_and_cached_equal_one_at_a_time(tiny_policy, tmp
     slow = {t["id"]: t for t in slow}
     for t in fast:
         assert [s["text"] for s in t["steps"]] == [s["text"] for s in slow[t["id"]]["steps"]]
-        for a, b in zip(t["steps"], slow[t["id"]]["steps"]):
-            assert abs(a["logp_old"] - b["logp_old"]) < 1e-3
+        assert t["messages"] == slow[t["id"]]["messages"]
         assert t["source"] == "policy" and len(t["steps"]) == 3 and t["steps"][-1]["done"]
+        # the untrained policy never buys: the step cap cut every episode, whose chat keeps the state after it
+        assert t["truncated"] and t["messages"][-1] == common.observation_message(t["steps"][-1]["observation"])
     summary = json.loads((tmp_path / "fast.summary.json").read_text())
     assert summary["episodes"] == 3 and summary["env_steps"] == 9
     # what collect.py writes, bc.py reads (policy data is schema-valid trajectories too)
@@ -59,11 +63,12 @@ def test_chat_past_max_length_ends_the_episode(tiny_policy, tmp_path):
     limit = first + 12 + 4  # room for the first answer, not for the observation after it
     proc = run_script(*argv, "--max-length", str(limit), "--out", str(tmp_path / "cut.jsonl"))
     cut = common.read_jsonl(tmp_path / "cut.jsonl")
-    assert all(len(t["steps"]) == 4 and "truncated" not in t for t in full)
+    assert all(len(t["steps"]) == 4 and t["truncated"] for t in full)
     for t, f in zip(cut, full):
         assert t["truncated"] and len(t["steps"]) == 1 and t["steps"][0]["done"]
+        # the state after the step does not fit: the chat ends with the answer
         assert t["steps"][0]["text"] == f["steps"][0]["text"] and t["messages"][-1]["role"] == "assistant"
-        assert len(common.tokenize_chat(tok, t["messages"])[0]) <= limit
+        assert len(common.tokenize_steps(tok, t)[0]) <= limit
     assert "2 episodes ended early" in proc.stdout
     # the cut chats fit the training stages' own check at the same limit
     run_script("bc.py", "--data", str(tmp_path / "cut.jsonl"), "--model", "tiny", "--epochs", "1",
@@ -106,3 +111,87 @@ def test_step_caps_paper_by_default_etos_with_its_prompt():
     assert collect.step_cap(collect.Args(env="sciworld", out="-", prompt="eto", max_steps=7), env, boil, 24) == 7
     for name, task, cap in (("alfworld", alf, 40), ("webshop", shop, 10)):
         assert collect.step_cap(eto, SimpleNamespace(name=name), task, 30) == cap
+
+
+def test_an_ended_task_and_a_cut_episode_end_their_chats_differently():
+    # WebShop's expert buys in a few steps: played through a Conversation, the task ends (chat ends with the
+    # last answer, not truncated); with a cap of one step the episode is cut, and the chat keeps the state after
+    # its last step, with the generation prompt, for the critic to read V there.
+    from transformers import AutoTokenizer
+
+    import collect
+    import critic
+    from envs import make_env
+    tok = AutoTokenizer.from_pretrained(common.resolve_model("tiny"))
+    env = make_env("webshop")
+    task = env.tasks("train")[0]
+    prompt = common.Prompt("short", "webshop", env.system_prompt)
+    results = {}
+    for cap in (10, 1):
+        env.max_steps = cap
+        conv = collect.Conversation(env, task, "t", tok, 4000, 4096, prompt)
+        while not conv.done:
+            conv.act(common.react("go on", env.expert_action()))
+        results[cap] = conv.result(1)
+    ended, cut = results[10], results[1]
+    assert ended["success"] and not ended["truncated"] and ended["messages"][-1]["role"] == "assistant"
+    assert cut["truncated"] and len(cut["steps"]) == 1 and not cut["success"]
+    assert cut["messages"][-1] == common.observation_message(cut["steps"][0]["observation"])
+    common.validate_trajectory(cut)
+    ids, v_pos, q_pos = critic.encode(tok, cut)
+    assert len(v_pos) == 2 and len(q_pos) == 1 and v_pos[-1] == ids.shape[1] - 1
+    assert tok.decode(ids[0]).endswith(cut["steps"][0]["observation"] + "<|im_end|>\n<|im_start|>assistant\n")
+    assert len(critic.encode(tok, ended)[1]) == len(ended["steps"])
+
+
+def test_reranker_plays_the_candidate_with_the_highest_q(tiny_policy, tmp_path):
+    # A critic on the tiny model with random heads: the reranker's batched, left-padded Q of each candidate must
+    # be the Q that critic.py reads for that answer in training (one forward over the chat, at its end-of-turn
+    # token), and it must pick the largest.
+    from peft import get_peft_model
+
+    import collect
+    import critic
+    base, tok = common.load_base("tiny")
+    common.seed_everything(3)
+    config = common.lora_config(8, 16, 0.0)
+    config.init_lora_weights = False  # an adapter that changes the features: reading Q through it must matter
+    model = get_peft_model(base, config, adapter_name="critic")
+    heads = critic.Heads(base.config.hidden_size)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p)
+    critic.save_critic(model, heads, tmp_path / "critic", "tiny")
+
+    policy, tok, base_model = common.load_policy(str(tiny_policy))
+    reranker = collect.Reranker(str(tmp_path / "critic"), policy, base_model)
+    messages = common.first_messages("Act.", "Find the animal.", "You are in the kitchen.")
+    texts = ["Thought: look.\nAction: look around", "Thought: go.\nAction: open door to outside", "Action: wait",
+             "Thought: look.\nAction: look around"]
+    got = reranker.q_values(tok, messages, texts)
+    model, heads, _ = critic.load_critic(str(tmp_path / "critic"))
+    want = []
+    for text in texts:
+        traj = {"messages": messages + [{"role": "assistant", "content": text}], "steps": [{}]}
+        with torch.no_grad():
+            want.append(critic.values(model, heads, *critic.encode(tok, traj))[1].item())
+    assert got == pytest.approx(want, abs=1e-4)
+    assert len(set(round(q, 4) for q in want)) == 3  # the three distinct answers score differently
+    assert reranker.pick(tok, messages, texts) == max(range(4), key=lambda k: (want[k], -k))
+    # the policy's adapter is active again after scoring
+    assert policy.active_adapter == "policy"
+
+
+def test_collect_with_a_reranking_critic(tiny_policy, tmp_path):
+    from peft import get_peft_model
+
+    import critic
+    base, _ = common.load_base("tiny")
+    model = get_peft_model(base, common.lora_config(8, 16, 0.0), adapter_name="critic")
+    critic.save_critic(model, critic.Heads(base.config.hidden_size), tmp_path / "critic", "tiny")
+    argv = ["collect.py", "--env", "webshop", "--policy", str(tiny_policy), "--num-tasks", "2", "--num-envs", "2",
+            "--max-steps", "2", "--max-new-tokens", "8", "--rerank-with", str(tmp_path / "critic")]
+    run_script(*argv, "--candidates", "3", "--out", str(tmp_path / "r.jsonl"))
+    trajs = common.read_jsonl(tmp_path / "r.jsonl")
+    assert len(trajs) == 2 and all(len(t["steps"]) == 2 for t in trajs)
+    proc = run_script(*argv, "--temperature", "0", "--out", str(tmp_path / "greedy.jsonl"), check=False)
+    assert proc.returncode == 2 and "--rerank-with: needs" in proc.stderr and "Traceback" not in proc.stderr

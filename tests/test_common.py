@@ -84,7 +84,8 @@ def test_action_mask_covers_exactly_the_assistant_turns(tiny):
     ids, spans = common.tokenize_chat(tok, messages)
     decoded = [tok.decode(ids[s:e]) for s, e in spans]
     # Each span is the turn's text plus the template's end-of-turn marker, nothing of the prompt.
-    assert decoded == ["Thought: hot.\nAction: open stove<|im_end|>\n", "Thought: wait.\nAction: wait<|im_end|>\n"]
+    # what the policy generates: the answer and its end-of-turn token, not the template's newline after it
+    assert decoded == ["Thought: hot.\nAction: open stove<|im_end|>", "Thought: wait.\nAction: wait<|im_end|>"]
     assert tok.decode(ids[:spans[0][0]]).endswith("<|im_start|>assistant\n")
 
 

@@ -37,7 +37,8 @@ def test_gae_by_hand_and_as_returns():
 
 
 def test_iql_targets_by_hand():
-    traj = {"reward": 1.0, "steps": [{"env_reward": 0.0, "aux_reward": -0.2}, {"env_reward": 1.0, "aux_reward": 0.0}]}
+    traj = {"reward": 1.0, "success": True,
+            "steps": [{"env_reward": 0.0, "aux_reward": -0.2}, {"env_reward": 1.0, "aux_reward": 0.0}]}
     args = critic.Args(data="", policy="", expectile=0.7, gamma=0.5)
     V, Q, Qt = torch.tensor([0.4, 0.6]), torch.tensor([0.1, 0.9]), torch.tensor([1.0, 0.2])
     loss, parts = critic.iql_loss(traj, V, Q, Qt, args)
@@ -47,6 +48,63 @@ def test_iql_targets_by_hand():
     loss_v = w[0] * 0.7 * (1.0 - 0.4) ** 2 + w[1] * 0.3 * (0.2 - 0.6) ** 2
     assert parts["loss_q"] == pytest.approx(loss_q) and parts["loss_v"] == pytest.approx(loss_v)
     assert loss.item() == pytest.approx(loss_q + loss_v)
+
+
+def test_a_cut_episode_bootstraps_from_its_last_state_by_hand():
+    # Two steps, no reward, cut by the step cap: the chat holds the state after the last step, so V has three
+    # entries. γ = 0.5, λ = 0.95, failure: w = 0.5 · (t/2) + 0.5 = 0.75, 1.0.
+    step = {"env_reward": 0.0, "aux_reward": 0.0}
+    cut = {"reward": 0.0, "success": False, "truncated": True, "steps": [step, step]}
+    V, Q, Qt = torch.tensor([0.4, 0.6, 0.5]), torch.tensor([0.1, 0.2]), torch.tensor([0.3, 0.3])
+    args = critic.Args(data="", policy="", gamma=0.5, gae_lambda=0.95)
+    _, parts = critic.iql_loss(cut, V, Q, Qt, args)
+    # Q targets r + γ V_{t+1}: 0.5 · 0.6 = 0.3 and 0.5 · V(s_2) = 0.25; V regresses on the two steps' states only
+    assert parts["loss_q"] == pytest.approx(0.75 * (0.3 - 0.1) ** 2 + 1.0 * (0.25 - 0.2) ** 2)
+    # expectile weights |0.7 − 1(δ < 0)| = 0.3 for both δ = Q̄ − V (−0.1, −0.3)
+    assert parts["loss_v"] == pytest.approx(0.75 * 0.3 * 0.1 ** 2 + 1.0 * 0.3 * 0.3 ** 2)
+    # GAE: δ_1 = 0.5·0.5 − 0.6 = −0.35, δ_0 = 0.5·0.6 − 0.4 = −0.1, A_0 = −0.1 + 0.5·0.95·(−0.35)
+    torch.testing.assert_close(critic.process_rewards(cut, V, Q, args), torch.tensor([-0.26625, -0.35]))
+    # the same episode read as ended (the task over, or --no-bootstrap-truncated): V after it is 0
+    for traj, a in (({**cut, "truncated": False}, args), (cut, critic.Args(data="", policy="", gamma=0.5,
+                                                                          gae_lambda=0.95, bootstrap_truncated=False))):
+        _, parts = critic.iql_loss(traj, V, Q, Qt, a)
+        assert parts["loss_q"] == pytest.approx(0.75 * (0.3 - 0.1) ** 2 + 1.0 * (0.0 - 0.2) ** 2)
+        torch.testing.assert_close(critic.process_rewards(traj, V, Q, a), torch.tensor([-0.385, -0.6]))
+    # a cut chat without room for its final state: the last state it holds stands in (V_1 = 0.6)
+    torch.testing.assert_close(critic.process_rewards(cut, V[:2], Q, args), torch.tensor([-0.2425, -0.3]))
+
+
+def test_success_term_d_from_the_success_flag_or_the_steps_reward():
+    # A ScienceWorld-like episode that starts with 0.5 of the score (an open door) and earns 0.25 by its own
+    # steps, without finishing the task: its final reward 0.75 is > 0, but it is no success.
+    steps = [{"env_reward": 0.25, "aux_reward": 0.0}, {"env_reward": 0.0, "aux_reward": 0.0}]
+    partial = {"reward": 0.75, "success": False, "steps": steps}
+    idle = {"reward": 0.5, "success": False, "steps": [{**s, "env_reward": 0.0} for s in steps]}
+    by_flag, by_reward = (critic.Args(data="", policy="", d_from=d) for d in ("success", "reward"))
+    torch.testing.assert_close(critic.step_weights(partial, by_flag), critic.iql_weights(2, False))
+    torch.testing.assert_close(critic.step_weights(partial, by_reward), critic.iql_weights(2, True))
+    # the score it had before any step is no reward of the episode's: d = 0 both ways
+    for a in (by_flag, by_reward):
+        torch.testing.assert_close(critic.step_weights(idle, a), critic.iql_weights(2, False))
+    won = {**partial, "reward": 1.0, "success": True}
+    torch.testing.assert_close(critic.step_weights(won, by_flag), critic.iql_weights(2, True))
+
+
+def test_fit_heads_bootstraps_a_cut_episode():
+    # As above, plus C: s0 -e-> s1, cut there (the chat holds s1). Its action's Q is its own feature, so the
+    # exact fit gives Q(s0,e) = 0 + 0.99 · V(s1) = 0.99 when cut episodes bootstrap, 0 when read as ended.
+    e = torch.eye(6)
+    step = {"env_reward": 0.0, "aux_reward": 0.0}
+    a = {"reward": 1.0, "success": True, "steps": [step, {**step, "env_reward": 1.0}]}
+    c = {"reward": 0.0, "success": False, "truncated": True, "steps": [step]}
+    feats = [(e[[0, 1]], e[[2, 3]]), (e[[0, 1]], e[[5]])]
+    for bootstrap, want in ((True, 0.99), (False, 0.0)):
+        heads = critic.Heads(6)
+        args = critic.Args(data="-", policy="-", refit_ridge=1e-9, refit_rounds=5, bootstrap_truncated=bootstrap)
+        critic.fit_heads(heads, feats, [a, c], args)
+        with torch.no_grad():
+            assert heads.q(e[5]).item() == pytest.approx(want, abs=1e-5)
+            assert heads.v(e[1]).item() == pytest.approx(1.0, abs=1e-5)  # V(s1) = Q(s1,b) = 1 either way
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +120,8 @@ def test_fit_heads_reaches_the_iql_fixed_point_by_hand():
     # 0.7 · 1.25 · 0.99 / (0.7 · 1.25 + 0.3 · 1.0) = 0.73723...
     e = torch.eye(5)
     step = {"env_reward": 0.0, "aux_reward": 0.0}
-    a = {"reward": 1.0, "steps": [step, {**step, "env_reward": 1.0}]}
-    b = {"reward": 0.0, "steps": [step]}
+    a = {"reward": 1.0, "success": True, "steps": [step, {**step, "env_reward": 1.0}]}
+    b = {"reward": 0.0, "success": False, "steps": [step]}
     feats = [(e[[0, 1]], e[[2, 3]]), (e[[0]], e[[4]])]
     heads = critic.Heads(5)
     args = critic.Args(data="-", policy="-", refit_ridge=1e-9, refit_rounds=5)
@@ -75,7 +133,7 @@ def test_fit_heads_reaches_the_iql_fixed_point_by_hand():
     torch.testing.assert_close(heads.q_target.weight, heads.q.weight)
     assert report["last_round_change"] < 1e-6
     # a ridge penalty pulls every state towards the mean: V(s1) no longer reaches its return
-    critic.fit_heads(heads, feats, [a, b], critic.Args(data="-", policy="-", refit_ridge=1.0))
+    critic.fit_heads(heads, feats, [a, b], critic.Args(data="-", policy="-", refit_ridge=1.0, refit_rounds=20))
     with torch.no_grad():
         assert heads.v(e[1]).item() < 0.95
 
@@ -90,8 +148,9 @@ def test_heads_read_the_state_and_action_ends(tiny, sciworld_expert):
         state = tok.apply_chat_template(traj["messages"][:k], tokenize=False, add_generation_prompt=True)
         action = tok.apply_chat_template(traj["messages"][:k + 1], tokenize=False)
         assert tok.decode(ids[:v_pos[t] + 1]) == state  # V_t sees exactly u, h_t, o_t
-        assert tok.decode(ids[:q_pos[t] + 1]) == action  # Q_t sees a_t too, nothing of o_{t+1}
-    assert tok.decode(ids[q_pos[0] - 1: q_pos[0] + 1]) == "<|im_end|>\n"
+        # Q_t sees a_t up to its end-of-turn token (the last token the policy generates), nothing of o_{t+1}
+        assert tok.decode(ids[:q_pos[t] + 1]) + "\n" == action
+        assert tok.decode(ids[q_pos[t]]) == "<|im_end|>"
 
 
 def test_one_forward_per_trajectory_equals_one_per_step(tiny, sciworld_expert):
@@ -140,7 +199,7 @@ def test_critic_cli_trains_saves_and_reloads(tiny_policy, sciworld_expert, tmp_p
     run_script("relabel.py", str(sciworld_expert), "--out", str(hybrid))
     out = tmp_path / "critic"
     proc = run_script("critic.py", "--data", str(hybrid), "--policy", str(tiny_policy), "--out", str(out),
-                      "--epochs", "2", "--grad-accum", "1")
+                      "--epochs", "2", "--grad-accum", "1", "--refit-rounds", "20")
     # 4 steps at IQL's tau 0.005 leave Q̄ at 1 - 0.995^4 = 2% of the way to Q: the run says so
     assert "--tau 0.005 over 4 steps moves the target Q head only 2% of the way" in proc.stdout
     scored = common.read_jsonl(out / "scored.jsonl")
@@ -160,9 +219,55 @@ def test_critic_cli_trains_saves_and_reloads(tiny_policy, sciworld_expert, tmp_p
     r = torch.tensor([s["env_reward"] for s in scored[0]["steps"]])
     want = critic.gae(r, torch.cat([V, torch.zeros(1)]), 0.99, 0.95)
     torch.testing.assert_close(torch.tensor([s["advantage"] for s in scored[0]["steps"]]), want, atol=1e-5, rtol=0)
+    # tools/critic_eval.py scores any file with the checkpoint: on the unlabelled expert file (relabelled on the
+    # fly) it finds the fit critic.py reported on the same trajectories
+    run_script("tools/critic_eval.py", str(out), str(sciworld_expert), "--out", str(tmp_path / "e.json"))
+    again = json.loads((tmp_path / "e.json").read_text())
+    assert again["trajectories"] == 2 and again["successes"] == 2 and math.isnan(again["auc_v0"])
+    assert again["return_corr"] == pytest.approx(report["return_corr_train"], abs=1e-5)
 
 
 def test_critic_needs_relabelled_data(tiny_policy, sciworld_expert, tmp_path):
     proc = run_script("critic.py", "--data", str(sciworld_expert), "--policy", str(tiny_policy),
                       "--out", str(tmp_path / "c"), check=False)
     assert proc.returncode == 2 and "no finite 'aux_reward'; relabel.py writes it" in proc.stderr
+
+
+def _tensors(path):
+    from safetensors.torch import load_file
+    return load_file(str(path))
+
+
+def test_the_exact_fit_changes_the_heads_and_nothing_else(tiny_policy, sciworld_expert, tmp_path):
+    hybrid = tmp_path / "hybrid.jsonl"
+    run_script("relabel.py", str(sciworld_expert), "--out", str(hybrid))
+    for rounds in ("0", "20"):
+        run_script("critic.py", "--data", str(hybrid), "--policy", str(tiny_policy), "--out", str(tmp_path / rounds),
+                   "--epochs", "1", "--grad-accum", "1", "--refit-rounds", rounds)
+    plain, fitted = (tmp_path / "0", tmp_path / "20")
+    a, b = (_tensors(d / "critic" / "adapter_model.safetensors") for d in (plain, fitted))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # the same LoRA training
+    losses = [[{k: v for k, v in json.loads(line).items() if k != "transitions_per_s"}
+               for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (plain, fitted)]
+    assert losses[0] == losses[1]
+    ha, hb = _tensors(plain / "heads.safetensors"), _tensors(fitted / "heads.safetensors")
+    assert not torch.equal(ha["v.weight"], hb["v.weight"]) and torch.equal(hb["q.weight"], hb["q_target.weight"])
+    assert "refit_loss_q" in json.loads((fitted / "eval.json").read_text())
+    assert "refit_loss_q" not in json.loads((plain / "eval.json").read_text())
+
+
+def test_heldout_trajectories_are_scored_but_not_trained_on(tiny_policy, sciworld_expert, tmp_path):
+    # 10 trajectories (five copies of the two expert ones), 2 held out: 8 optimizer steps, all 10 scored
+    trajs = common.read_jsonl(sciworld_expert)
+    hybrid = tmp_path / "hybrid.jsonl"
+    copies = [{**t, "id": f"{t['id']}#{k}"} for k in range(5) for t in trajs]
+    common.write_jsonl(tmp_path / "copies.jsonl", copies)
+    run_script("relabel.py", str(tmp_path / "copies.jsonl"), "--out", str(hybrid))
+    for frac in ("0", "0.2"):
+        run_script("critic.py", "--data", str(hybrid), "--policy", str(tiny_policy), "--out", str(tmp_path / frac),
+                   "--epochs", "1", "--grad-accum", "1", "--heldout-frac", frac)
+    for frac, trained, held in (("0", 10, 0), ("0.2", 8, 2)):
+        report = json.loads((tmp_path / frac / "eval.json").read_text())
+        assert (report["train"], report["heldout"]) == (trained, held)
+        assert len((tmp_path / frac / "metrics.jsonl").read_text().splitlines()) == trained
+        assert len(common.read_jsonl(tmp_path / frac / "scored.jsonl")) == 10

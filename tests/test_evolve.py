@@ -1,5 +1,6 @@
 """End to end: evolve.sh's whole loop (SMOKE=1: the tiny model, two ScienceWorld tasks) on the real ScienceWorld,
 killed in the middle of a stage and run again."""
+import json
 import os
 import signal
 import subprocess
@@ -62,3 +63,48 @@ def test_smoke_loop_with_etos_prompt(tmp_path):
             answers = [m["content"] for m in t["messages"] if m["role"] == "assistant"]
             assert [s["text"] for s in t["steps"]] == answers[1 + len(example) // 2:] and len(t["steps"]) <= 3
     assert "PROMPT          eto" in (run / "settings.txt").read_text() and "| Iter 1 |" in out
+
+
+def dry_run(**env) -> str:
+    proc = subprocess.run(["bash", "evolve.sh"], cwd=ROOT, env={**os.environ, "DRY_RUN": "1", **env},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+DEPARTURE_FLAGS = ("--refit-rounds", "--heldout-frac", "--eval-frac", "--normalize-adv", "--max-grad-norm")
+
+
+def test_departures_are_explicit_flags_on_the_cpu_and_absent_at_paper_scale(tmp_path):
+    """Every departure from the paper reaches a stage only as a flag on its command line: the CPU default names
+    each one, DEPARTURES=none and PRESET=7b none of them (the stages' own defaults are the paper's)."""
+    cpu = dry_run(RUN=str(tmp_path / "cpu"))
+    assert "DEPARTURES      exact_fit heldout adv_norm grad_clip" in cpu
+    commands = {line.split(":")[0].split("/")[-1]: line for line in cpu.splitlines() if "/1/" in line}
+    assert "--refit-rounds 20 --heldout-frac 0.1 --max-grad-norm 1.0" in commands["critic"]
+    assert "--normalize-adv --max-grad-norm 1.0" in commands["bppo"]
+    assert "--eval-frac 0.1" in next(line for line in cpu.splitlines() if "/0/bc" in line)
+    assert not (tmp_path / "cpu").exists()  # a dry run writes nothing
+    for paper in (dry_run(RUN=str(tmp_path / "p"), DEPARTURES="none"),
+                  dry_run(RUN=str(tmp_path / "7b"), PRESET="7b", ENV="webshop")):
+        stages = [line for line in paper.splitlines() if line.startswith("[dry]")]
+        assert stages and not any(flag in line for line in stages for flag in DEPARTURE_FLAGS)
+    assert "DEPARTURES      none" in paper and "ITERS           3" in paper  # the paper's 3 WebShop iterations
+    assert "/3/bppo" in paper and "/4/" not in paper
+    proc = subprocess.run(["bash", "evolve.sh"], cwd=ROOT, env={**os.environ, "DRY_RUN": "1", "DEPARTURES": "clip"},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "DEPARTURES: clip is none of" in proc.stderr
+
+
+def test_smoke_loop_without_policy_improvement(tmp_path):
+    """ABLATION=no_pi (Table 3's "w/o PI"): no BPPO; the BC policy with the critic's pick of CANDIDATES sampled
+    answers per step is evaluated like every row."""
+    run = tmp_path / "run"
+    proc = evolve(run, ABLATION="no_pi", ITERS="1", CANDIDATES="3")
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out
+    assert not (run / "1" / "bppo").exists()
+    args = json.loads((run / "1" / "eval_seen" / "episodes.args.json").read_text())
+    assert args["policy"] == str(run / "0" / "bc") and args["rerank_with"] == str(run / "1" / "critic")
+    assert args["candidates"] == 3 and args["temperature"] > 0
+    assert "| Iter 1 (BC + critic's pick of 3) |" in (run / "results.md").read_text()

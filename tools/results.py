@@ -25,7 +25,10 @@ def main(run: Path, iters: int) -> None:
         if it:  # the policy of iteration it was trained on the rollouts of iterations 1..it
             train_steps += load(run / str(it) / "collect" / "self.summary.json")["env_steps"]
         seen, unseen = (load(run / str(it) / f"eval_{s}" / "episodes.summary.json") for s in ("seen", "unseen"))
-        rows.append(dict(name="BC" if it == 0 else f"Iter {it}", seen=seen, unseen=unseen, train_steps=train_steps))
+        name = "BC" if it == 0 else f"Iter {it}"
+        if seen.get("rerank_with"):  # ABLATION=no_pi: the BC policy, the critic choosing among sampled answers
+            name += f" (BC + critic's pick of {seen['candidates']})"
+        rows.append(dict(name=name, seen=seen, unseen=unseen, train_steps=train_steps))
 
     lines = ["| policy | seen reward ×100 | seen success % | unseen reward ×100 | unseen success % "
              "| train env steps used |", "|---|---|---|---|---|---|"]
@@ -35,7 +38,8 @@ def main(run: Path, iters: int) -> None:
                      f"| {r['train_steps']} |")
     first = rows[0]["seen"]
     note = (f"\n{first['env']}: {first['episodes']} seen and {rows[0]['unseen']['episodes']} unseen episodes per "
-            "policy, greedy; reward is the final score averaged over episodes.\n")
+            "policy, greedy (a critic's pick: among answers sampled at the rollout temperature); reward is the "
+            "final score averaged over episodes.\n")
     table = "\n".join(lines) + "\n" + note
     (run / "results.md").write_text(table)
     print(table)
@@ -53,7 +57,7 @@ def main(run: Path, iters: int) -> None:
         for split, marker in (("seen", "o-"), ("unseen", "s--")):
             ys = [r[split][metric] * (100 if metric == "success_rate" else 1) for r in rows]
             ax.plot(x, ys, marker, label=split)
-        ax.set_xticks(list(x), [r["name"] for r in rows])
+        ax.set_xticks(list(x), [r["name"].split(" (")[0] for r in rows])
         ax.set_title(label)
         ax.grid(alpha=0.3)
     axes[0].legend()
