@@ -416,7 +416,8 @@ def main() -> None:
     trajs = [t for t in common.read_jsonl(out, allow_empty=True) if t["id"] in ids or source == "expert"]
     summary = summarize(trajs, args)
     common.write_json(out.with_suffix(".summary.json"), summary)
-    row = (f"| {args.policy} | {args.env} {args.split} | {summary['reward_x100']:.1f} | "
+    agent = args.policy + (f" + {args.rerank_with}'s pick of {args.candidates}" if args.rerank_with else "")
+    row = (f"| {agent} | {args.env} {args.split} | {summary['reward_x100']:.1f} | "
            f"{100 * summary['success_rate']:.1f} | {summary['mean_steps']:.1f} | {summary['env_steps']} |")
     out.with_suffix(".summary.md").write_text("| policy | env split | reward ×100 | success % | steps | env steps |\n"
                                               "|---|---|---|---|---|---|\n" + row + "\n")
