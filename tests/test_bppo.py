@@ -134,15 +134,20 @@ def test_departure_flags_do_what_they_say(tiny_policy, sciworld_expert, tmp_path
             "--grad-accum", "2"]  # one optimizer batch holds both trajectories: standardised over the same steps
     runs = {"norm": (raw, ["--normalize-adv"]), "pre": (std, []), "raw": (raw, []),
             "loose_clip": (raw, ["--max-grad-norm", "1e9"]), "tight_clip": (raw, ["--max-grad-norm", "1e-3"])}
-    weights = {}
+    weights, losses = {}, {}
     for name, (data, extra) in runs.items():
         run_script("bppo.py", "--data", str(data), "--out", str(tmp_path / name), *base, *extra)
         weights[name] = _policy_weights(tmp_path / name)
+        metrics = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        losses[name] = [json.loads(line)["loss"] for line in metrics]
 
     def same(a, b, tol):
         return all(torch.allclose(weights[a][k], weights[b][k], atol=tol, rtol=0) for k in weights[a])
 
-    assert same("norm", "pre", 1e-6) and not same("norm", "raw", 1e-6)
+    # The two standardisations differ in the last float bits (here in float32, there through JSON), and Adam's
+    # first steps move a weight whose gradient is near zero by ±lr either way: compare the losses, not weights.
+    assert losses["norm"] == pytest.approx(losses["pre"], rel=1e-4, abs=1e-6)
+    assert abs(losses["norm"][0] - losses["raw"][0]) > 1e-3
     assert same("loose_clip", "raw", 0) and not same("tight_clip", "raw", 1e-6)
 
 
