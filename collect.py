@@ -197,7 +197,7 @@ class Conversation:
         self.steps.append(step)
         self.messages.append({"role": "assistant", "content": text})
         self.messages.append(self.prompt.observation(step["observation"]))
-        self.done = self.ended or step["done"] or len(self.steps) >= self.env.max_steps
+        self.done = step["done"] or len(self.steps) >= self.env.max_steps
 
     def grow(self, tokens: list[int]) -> None:
         """Add the answer and the next observation's tokens; a chat that no longer leaves room for an answer
@@ -235,17 +235,14 @@ class Reranker:
     critic.py reads it in training: at the candidate's end-of-turn token, after the chat so far."""
 
     def __init__(self, checkpoint: str, model, base_model: str):
-        from safetensors.torch import load_file
-        from critic import Heads
+        from critic import load_heads
         meta = common.read_meta(checkpoint, "critic")
         if meta["base_model"] != base_model:
             raise common.UserError(f"--rerank-with {checkpoint}: a critic on {meta['base_model']}, the policy is on "
                                    f"{base_model}")
         model.load_adapter(str(Path(checkpoint) / "critic"), adapter_name="critic", is_trainable=False)
         model.set_adapter("policy")
-        self.model, self.heads = model, Heads(model.config.hidden_size)
-        self.heads.load_state_dict(load_file(str(Path(checkpoint) / "heads.safetensors")))
-        self.heads.to(model.device)
+        self.model, self.heads = model, load_heads(checkpoint, model.config.hidden_size).to(model.device)
 
     @torch.no_grad()
     def q_values(self, tok, messages: list[dict], texts: list[str]) -> list[float]:

@@ -191,16 +191,11 @@ def step_weights(traj: dict, args: Args) -> torch.Tensor:
     return iql_weights(T, succeeded(traj, args), not args.no_temporal_weight, not args.no_success_weight)
 
 
-def bootstraps(traj: dict, args: Args) -> bool:
-    """Whether V after the last step is the critic's (a cut episode) rather than 0 (the task ended)."""
-    return args.bootstrap_truncated and traj.get("truncated", False)
-
-
 def next_values(traj: dict, V: torch.Tensor, args: Args) -> torch.Tensor:
     """V_{t+1} for every step t. After the last step: 0 when the task ended; for a cut episode, V of the last
     state the chat holds (the state after the last step; the state before it when that did not fit)."""
-    T = len(traj["steps"])
-    return torch.cat([V[1:T], V[-1:] if bootstraps(traj, args) else V.new_zeros(1)])
+    T, cut = len(traj["steps"]), args.bootstrap_truncated and traj.get("truncated", False)
+    return torch.cat([V[1:T], V[-1:] if cut else V.new_zeros(1)])
 
 
 def iql_loss(traj: dict, V, Q, Q_target, args: Args) -> tuple[torch.Tensor, dict]:
@@ -234,7 +229,7 @@ def fit_heads(heads: Heads, feats: list[tuple[torch.Tensor, torch.Tensor]], traj
         T, index = len(t["steps"]), torch.arange(start, start + len(v), dtype=torch.float64)
         rows.append(index[:T])
         nxt.append(next_values(t, index, args))
-        live.append(torch.tensor([1.0] * (T - 1) + [float(bootstraps(t, args))], dtype=torch.float64))
+        live.append(next_values(t, torch.ones(len(v), dtype=torch.float64), args))
         start += len(v)
     rows, nxt, live = torch.cat(rows).long(), torch.cat(nxt).long(), torch.cat(live)
     both = torch.cat([hv, hq])
@@ -311,6 +306,35 @@ def first_state_ceiling(tasks: list, success: list[bool]) -> float:
     return auc([rate[t] for t, ok in zip(tasks, success) if ok], [rate[t] for t, ok in zip(tasks, success) if not ok])
 
 
+def value_record(traj: dict, V: torch.Tensor, gamma: float) -> tuple:
+    """What value_report needs of one trajectory, V given for its steps: task, success, V_0, mean V, and V and
+    the discounted return-to-go of r_env + r_aux (what V regresses on; GAE with V = 0, λ = 1) at every step."""
+    r = critic_rewards(traj)
+    return ((traj["env"], traj["task"], traj["variation"]), traj["success"], float(V[0]), float(V.mean()),
+            V.tolist(), gae(r, torch.zeros(len(r) + 1), gamma, 1.0).tolist())
+
+
+def value_report(records: list[tuple]) -> dict:
+    """How V ranks successes above failures (AUC of V_0 and of V averaged over the states, beside the first
+    state's ceiling) and how it fits the returns (Pearson's r, state by state) on these value_records."""
+    tasks, ok, first, average, vs, returns = zip(*records) if records else ((),) * 6
+
+    def ranked(scores):
+        return auc([x for x, y in zip(scores, ok) if y], [x for x, y in zip(scores, ok) if not y])
+
+    return {"trajectories": len(records), "successes": sum(ok), "auc_v0": ranked(first),
+            "auc_v0_ceiling": first_state_ceiling(tasks, ok), "auc_mean_v": ranked(average),
+            "return_corr": correlation([v for x in vs for v in x], [g for x in returns for g in x])}
+
+
+def describe(figures: dict) -> str:
+    """A value_report as one line."""
+    return (f"{figures['trajectories']} trajectories ({figures['successes']} successes); AUC success vs failure: "
+            f"V_0 {figures['auc_v0']:.3f} (the most any function of the first state could reach here: "
+            f"{figures['auc_v0_ceiling']:.3f}), V averaged over the states {figures['auc_mean_v']:.3f}; "
+            f"correlation of V with the discounted return, state by state: {figures['return_corr']:.3f}")
+
+
 # ----------------------------------------------------------------------------- checkpoints
 
 
@@ -323,16 +347,21 @@ def save_critic(model, heads: Heads, out: Path, base_model: str) -> None:
     common.write_json(out / "qevolve.json", {"kind": "critic", "base_model": base_model})
 
 
+def load_heads(checkpoint: str | Path, hidden: int) -> Heads:
+    """The heads of a critic checkpoint written by save_critic (on the CPU)."""
+    from safetensors.torch import load_file
+    heads = Heads(hidden)
+    heads.load_state_dict(load_file(str(Path(checkpoint) / "heads.safetensors")))
+    return heads
+
+
 def load_critic(checkpoint: str, load_in_4bit: bool | None = None):
     """(model, heads, tokenizer) from a critic checkpoint written by save_critic."""
     from peft import PeftModel
-    from safetensors.torch import load_file
     meta = common.read_meta(checkpoint, "critic")
     base, tok = common.load_base(meta["base_model"], load_in_4bit)
     model = PeftModel.from_pretrained(base, str(Path(checkpoint) / "critic"), adapter_name="critic")
-    heads = Heads(base.config.hidden_size)
-    heads.load_state_dict(load_file(str(Path(checkpoint) / "heads.safetensors")))
-    return model, heads.to(base.device), tok
+    return model, load_heads(checkpoint, base.config.hidden_size).to(base.device), tok
 
 
 # ----------------------------------------------------------------------------- main
@@ -430,7 +459,7 @@ def main() -> None:
     # and on those it never saw (--heldout-frac). And whether V fits what it regresses on: its correlation, state
     # by state, with the discounted return-to-go of the same rewards (GAE with V = 0 and λ = 1 is that return).
     scored, v0 = [], defaultdict(lambda: {"success": [], "failure": []})
-    seen = {"train": [], "heldout": []}  # (task, success, V_0, mean V, V of every step, return of every step)
+    seen = {"train": [], "heldout": []}  # value_records
     with torch.no_grad():
         for k, traj in enumerate(trajs):
             V, Q, _ = (x.cpu() for x in heads(*feats[k]))
@@ -439,10 +468,7 @@ def main() -> None:
             steps = [{**s, "value": float(V[t]), "advantage": float(adv[t])} for t, s in enumerate(traj["steps"])]
             scored.append({**traj, "steps": steps})
             v0[(traj["env"], traj["source"])]["success" if traj["success"] else "failure"].append(float(V[0]))
-            r = critic_rewards(traj)
-            seen["heldout" if k in held else "train"].append(
-                ((traj["env"], traj["task"], traj["variation"]), traj["success"], float(V[0]), float(V.mean()),
-                 V.tolist(), gae(r, torch.zeros(len(r) + 1), args.gamma, 1.0).tolist()))
+            seen["heldout" if k in held else "train"].append(value_record(traj, V, args.gamma))
     out_data = Path(args.out_data or out / "scored.jsonl")
     out_data.parent.mkdir(parents=True, exist_ok=True)
     common.write_jsonl(out_data, scored)
@@ -456,20 +482,12 @@ def main() -> None:
               f"{len(g['success']) + len(g['failure']):>6}")
     report = {"process_reward": args.process_reward, **{f"refit_{k}": v for k, v in refit.items()}}
     for part, rows in seen.items():
-        tasks, ok, first, average, vs, returns = zip(*rows) if rows else ((),) * 6
-
-        def part_auc(scores):
-            return auc([x for x, y in zip(scores, ok) if y], [x for x, y in zip(scores, ok) if not y])
-
-        report |= {f"{part}_auc_v0": part_auc(first), f"{part}_auc_v0_ceiling": first_state_ceiling(tasks, ok),
-                   f"{part}_auc_mean_v": part_auc(average), part: len(rows), f"{part}_successes": sum(ok),
-                   f"return_corr_{part}": correlation([v for x in vs for v in x], [g for x in returns for g in x])}
+        figures = value_report(rows)
+        report |= {part: len(rows), f"{part}_successes": figures["successes"],
+                   f"return_corr_{part}": figures["return_corr"],
+                   **{f"{part}_{k}": figures[k] for k in ("auc_v0", "auc_v0_ceiling", "auc_mean_v")}}
         if rows:
-            print(f"{part:>8}: {len(rows)} trajectories ({sum(ok)} successes); AUC success vs failure: V_0 "
-                  f"{report[f'{part}_auc_v0']:.3f} (the most any function of the first state could reach here: "
-                  f"{report[f'{part}_auc_v0_ceiling']:.3f}), V averaged over the states "
-                  f"{report[f'{part}_auc_mean_v']:.3f}; correlation of V with the discounted return, state by "
-                  f"state: {report[f'return_corr_{part}']:.3f}")
+            print(f"{part:>8}: {describe(figures)}")
     common.write_json(out / "eval.json", report)
     print(f"critic written to {out}; scored trajectories to {out_data}")
 

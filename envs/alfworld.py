@@ -235,8 +235,8 @@ class AlfWorldEnv(TextEnv):
             elif valid and not command.startswith(INFO_COMMANDS):
                 self._plan = None
         done = self._won or self._steps >= self.max_steps
-        return obs, reward, done, {"won": self._won, "score": float(self._won), "valid": valid, "terminated": self._won,
-                                   "admissible_commands": self._agent_commands()}
+        return obs, reward, done, {"won": self._won, "score": float(self._won), "valid": valid,
+                                   "terminated": self._won, "admissible_commands": self._agent_commands()}
 
     def _agent_commands(self) -> list[str]:
         return [to_agent(c) for c in self._admissible]

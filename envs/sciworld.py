@@ -187,8 +187,8 @@ class SciWorldEnv(TextEnv):
         won = bool(sw.server.getCompleted()) and raw >= 100
         terminated = bool(sw.server.getCompleted()) or raw < 0  # the task ended, won or lost
         valid = not obs.startswith(REJECTIONS)
-        return obs, reward, terminated or self._t >= self.max_steps, {"score": score / 100, "won": won, "valid": valid,
-                                                                      "terminated": terminated}
+        done = terminated or self._t >= self.max_steps
+        return obs, reward, done, {"score": score / 100, "won": won, "valid": valid, "terminated": terminated}
 
     def expert_action(self) -> str | None:
         return self._gold[self._t] if self._t < len(self._gold) else None

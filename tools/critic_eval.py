@@ -42,27 +42,13 @@ def main() -> None:
     model, heads, tok = critic.load_critic(args.checkpoint)  # (checks that it is a critic checkpoint)
     gamma = json.loads((Path(args.checkpoint) / "args.json").read_text())["gamma"]
     model.eval()
-    first, average, ok, tasks, values, returns = [], [], [], [], [], []
+    records = []
     with torch.no_grad():
         for t in tqdm(trajs, desc="V", unit="traj"):
             V = critic.values(model, heads, *critic.encode(tok, t))[0].cpu()
-            T = len(t["steps"])
-            first.append(V[0].item())
-            average.append(V[:T].mean().item())
-            ok.append(t["success"])
-            tasks.append((t["env"], t["task"], t["variation"]))
-            values += V[:T].tolist()
-            returns += critic.gae(critic.critic_rewards(t), torch.zeros(T + 1), gamma, 1.0).tolist()
-
-    def ranked(scores):
-        return critic.auc([s for s, y in zip(scores, ok) if y], [s for s, y in zip(scores, ok) if not y])
-
-    report = {"checkpoint": args.checkpoint, "data": args.data, "trajectories": len(trajs), "successes": sum(ok),
-              "auc_v0": ranked(first), "auc_v0_ceiling": critic.first_state_ceiling(tasks, ok),
-              "auc_mean_v": ranked(average), "return_corr": critic.correlation(values, returns)}
-    print(f"{args.checkpoint} on {args.data}: {len(trajs)} trajectories ({sum(ok)} successes); AUC V_0 "
-          f"{report['auc_v0']:.3f} (first-state ceiling {report['auc_v0_ceiling']:.3f}), mean V "
-          f"{report['auc_mean_v']:.3f}; correlation of V with the return {report['return_corr']:.3f}")
+            records.append(critic.value_record(t, V[:len(t["steps"])], gamma))
+    report = {"checkpoint": args.checkpoint, "data": args.data, **critic.value_report(records)}
+    print(f"{args.checkpoint} on {args.data}: {critic.describe(report)}")
     if args.out:
         common.write_json(args.out, report)
 
