@@ -95,13 +95,13 @@ select=(--env "$ENV" --prompt "$PROMPT")
 [ "$NUM_TASKS" != 0 ] && train_tasks=(--num-tasks "$NUM_TASKS") || train_tasks=()
 [ "$NUM_EVAL" != 0 ] && eval_tasks=(--num-tasks "$NUM_EVAL") || eval_tasks=()
 
-stage() {  # stage DIR COMMAND...: run COMMAND unless DIR/.done says it already finished
-  local dir=$1; shift
+stage() {  # stage DIR COMMAND...: run COMMAND unless DIR/.done says it already finished; the marker holds its time
+  local dir=$1 start=$SECONDS; shift
   if [ "${DRY_RUN:-0}" = 1 ]; then echo "[dry]  $dir: $*"; return; fi
   if [ -f "$dir/.done" ]; then echo "[done] $dir"; return; fi
   mkdir -p "$dir" && echo "[run]  $dir: $*"
   "$@"
-  touch "$dir/.done"
+  echo "seconds $((SECONDS - start))" > "$dir/.done"
 }
 evaluate() {  # evaluate ITER POLICY [CRITIC]: greedy episodes on seen and unseen tasks; with a critic, its pick
   local decode=(--temperature 0)  # of CANDIDATES answers sampled at TEMPERATURE
@@ -137,4 +137,4 @@ for it in $(seq 1 "$ITERS"); do
   policy=$d/bppo  # the policy continues from the last iteration's
   evaluate "$it" "$policy"
 done
-[ "${DRY_RUN:-0}" = 1 ] || python tools/results.py "$RUN" "$ITERS"
+[ "${DRY_RUN:-0}" = 1 ] || { python tools/results.py "$RUN" "$ITERS" && python tools/stage_times.py "$RUN"; }

@@ -48,6 +48,10 @@ class TextEnv:
     name: str
     max_steps: int        # the paper's per-episode cap (§1.3): WebShop 10, ScienceWorld 24, ALFWorld 30
     system_prompt: str    # ReAct instructions shown as the system message
+    # Whether several instances may reset and step at the same time in threads (the rollout engine then runs
+    # them side by side). ScienceWorld's each run in their own JVM; ALFWorld's engine shares state between
+    # instances, and the pure-Python ones would gain nothing.
+    parallel: bool = False
 
     def tasks(self, split: str) -> list[Task]:
         raise NotImplementedError

@@ -95,6 +95,7 @@ def with_looks(gold: list[str]) -> list[str]:
 
 class SciWorldEnv(TextEnv):
     name = "sciworld"
+    parallel = True  # one JVM per instance
     system_prompt = SYSTEM_PROMPT
 
     def __init__(self, max_steps: int = 24, simplification: str = EASY, jvm_heap: str = "1g",

@@ -15,10 +15,12 @@ def test_stage_memory_table_on_cpu(tmp_path):
     assert (tmp_path / "bppo" / "policy").is_dir() and (tmp_path / "critic" / "heads.safetensors").exists()
 
 
-def test_rollout_benchmark_plays_the_same_episodes_both_ways(tiny_policy):
+def test_rollout_benchmark_plays_the_same_episodes_every_way(tiny_policy, tmp_path):
     out = run_script("bench/rollout_speed.py", "--policy", str(tiny_policy), "--env", "webshop", "--num-envs", "2",
-                     "--num-tasks", "2", "--max-steps", "2", "--max-new-tokens", "8").stdout
-    assert re.search(r"ratio [0-9.]+x on 2 episodes, 4 env steps", out) and "identical episodes: 2/2" in out, out
+                     "--num-tasks", "3", "--max-steps", "2", "--max-new-tokens", "8", "--workdir", str(tmp_path)).stdout
+    assert re.search(r"ratio [0-9.]+x \(env steps/s, engine vs ETO's loop\); identical episodes: 3/3", out), out
+    assert "3 episodes of webshop (all tasks), step cap 2, 6 env steps" in out, out
+    assert len(re.findall(r"^\| (ETO's loop|engine|generate's)", out, re.M)) == 4, out
 
 
 def test_critic_benchmark_gets_the_same_losses_both_ways():

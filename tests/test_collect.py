@@ -31,25 +31,68 @@ def test_rerun_skips_what_is_written(sciworld_expert, tmp_path):
     assert ids == [json.loads(line)["id"] for line in first]
 
 
-def test_policy_rollouts_batched_and_cached_equal_one_at_a_time(tiny_policy, tmp_path):
-    common_args = ["collect.py", "--env", "webshop", "--policy", str(tiny_policy), "--num-tasks", "3",
-                   "--temperature", "0", "--max-steps", "3", "--max-new-tokens", "12"]
-    run_script(*common_args, "--num-envs", "3", "--out", str(tmp_path / "fast.jsonl"))
-    run_script(*common_args, "--num-envs", "1", "--no-kv-cache", "--out", str(tmp_path / "slow.jsonl"))
-    fast, slow = (common.read_jsonl(tmp_path / f) for f in ("fast.jsonl", "slow.jsonl"))
-    assert sorted(t["id"] for t in fast) == sorted(t["id"] for t in slow)
-    slow = {t["id"]: t for t in slow}
-    for t in fast:
-        assert [s["text"] for s in t["steps"]] == [s["text"] for s in slow[t["id"]]["steps"]]
-        assert t["messages"] == slow[t["id"]]["messages"]
-        assert t["source"] == "policy" and len(t["steps"]) == 3 and t["steps"][-1]["done"]
-        # the untrained policy never buys: the step cap cut every episode, whose chat keeps the state after it
-        assert t["truncated"] and t["messages"][-1] == common.observation_message(t["steps"][-1]["observation"])
+@pytest.mark.parametrize("env_name", ["webshop", "alfworld"])
+def test_engine_plays_the_episodes_of_etos_one_at_a_time_loop(tiny_policy, tmp_path, env_name):
+    # Greedy on a deterministic environment, the engine (2 slots for 5 tasks: slots are refilled as episodes end,
+    # the shared prefix is copied in, the LoRA merged) plays the same answers as rollout.play_one, which prefills
+    # the whole chat with generate every turn, one episode at a time, on the unmerged policy.
+    import rollout
+    from envs import make_env
+    argv = ["collect.py", "--env", env_name, "--policy", str(tiny_policy), "--num-tasks", "5", "--temperature", "0",
+            "--max-steps", "4", "--max-new-tokens", "12", "--num-envs", "2"]
+    run_script(*argv, "--out", str(tmp_path / "fast.jsonl"))
+    fast = {t["id"]: t for t in common.read_jsonl(tmp_path / "fast.jsonl")}
+    model, tok, _ = common.load_policy(str(tiny_policy))
+    env = make_env(env_name, max_steps=4)
+    prompt = common.Prompt("short", env_name, env.system_prompt)
+    tasks = env.tasks("train")[:5]
+    assert sorted(fast) == sorted(f"{t.key}/policy0" for t in tasks)
+    for task in tasks:
+        ref, got = rollout.play_one(env, task, "x", model, tok, prompt, 12), fast[f"{task.key}/policy0"]
+        assert [s["text"] for s in got["steps"]] == [s["text"] for s in ref["steps"]]
+        assert got["messages"] == ref["messages"] and got["truncated"] == ref["truncated"]
+        assert got["source"] == "policy" and got["steps"][-1]["done"]
     summary = json.loads((tmp_path / "fast.summary.json").read_text())
-    assert summary["episodes"] == 3 and summary["env_steps"] == 9
-    # what collect.py writes, bc.py reads (policy data is schema-valid trajectories too)
-    run_script("bc.py", "--data", str(tmp_path / "fast.jsonl"), "--model", "tiny", "--epochs", "1",
-               "--out", str(tmp_path / "bc"))
+    assert summary["episodes"] == 5 and summary["env_steps"] == sum(len(t["steps"]) for t in fast.values())
+    if env_name == "webshop":  # the untrained policy never buys: every episode is cut and keeps its last state
+        assert all(t["truncated"] and t["messages"][-1] == common.observation_message(t["steps"][-1]["observation"])
+                   for t in fast.values())
+        # what collect.py writes, bc.py reads (policy data is schema-valid trajectories too)
+        run_script("bc.py", "--data", str(tmp_path / "fast.jsonl"), "--model", "tiny", "--epochs", "1",
+                   "--out", str(tmp_path / "bc"))
+
+
+def test_engine_refills_slots_and_compacts_its_cache(tiny_policy):
+    # More episodes than slots on a long chat: each refilled row forgets its last episode (its cache positions
+    # masked, the shared prefix copied in) and the cache is compacted, yet each episode equals play_one's.
+    from functools import partial
+
+    import rollout
+    from envs import make_env
+    model, tok, _ = common.load_policy(str(tiny_policy))
+    envs = [make_env("webshop", max_steps=6) for _ in range(2)]
+    prompt = common.Prompt("short", "webshop", envs[0].system_prompt)
+    tasks = envs[0].tasks("train")[:4]
+
+    def episode(task, env):
+        return rollout.Conversation(env, task, task.key, tok, 4000, 4096, prompt)
+
+    engine = rollout.Engine(rollout.for_rollouts(model, merge=False), tok, 16, 0.0)
+    widths, compact = [], engine._compact
+
+    def spy():  # the cache's width before and after each compaction check, and the longest row
+        before = engine.mask.shape[1]
+        compact()
+        if len(engine.seen):
+            widths.append((before, engine.mask.shape[1], int(engine.seen.max())))
+    engine._compact = spy
+    got = {c.traj_id: c.result(0) for c in engine.play(envs, [partial(episode, t) for t in tasks])}
+    assert len(engine.prefix) > 50  # the system prompt, shared by every episode
+    assert all(w <= s + 16 + s // 16 for _, w, s in widths)  # holes never outgrow the tokens in use
+    assert any(w < before for before, w, _ in widths)  # and were dropped at least once
+    for task in tasks:
+        ref = rollout.play_one(envs[0], task, task.key, model, tok, prompt, 16)
+        assert [s["text"] for s in got[task.key]["steps"]] == [s["text"] for s in ref["steps"]]
 
 
 def test_chat_past_max_length_ends_the_episode(tiny_policy, tmp_path):
@@ -119,8 +162,8 @@ def test_an_ended_task_and_a_cut_episode_end_their_chats_differently():
     # its last step, with the generation prompt, for the critic to read V there.
     from transformers import AutoTokenizer
 
-    import collect
     import critic
+    import rollout
     from envs import make_env
     tok = AutoTokenizer.from_pretrained(common.resolve_model("tiny"))
     env = make_env("webshop")
@@ -129,7 +172,7 @@ def test_an_ended_task_and_a_cut_episode_end_their_chats_differently():
     results = {}
     for cap in (10, 1):
         env.max_steps = cap
-        conv = collect.Conversation(env, task, "t", tok, 4000, 4096, prompt)
+        conv = rollout.Conversation(env, task, "t", tok, 4000, 4096, prompt)
         while not conv.done:
             conv.act(common.react("go on", env.expert_action()))
         results[cap] = conv.result(1)
@@ -150,8 +193,8 @@ def test_reranker_plays_the_candidate_with_the_highest_q(tiny_policy, tmp_path):
     # token), and it must pick the largest.
     from peft import get_peft_model
 
-    import collect
     import critic
+    import rollout
     base, tok = common.load_base("tiny")
     common.seed_everything(3)
     config = common.lora_config(8, 16, 0.0)
@@ -163,7 +206,7 @@ def test_reranker_plays_the_candidate_with_the_highest_q(tiny_policy, tmp_path):
     critic.save_critic(model, heads, tmp_path / "critic", "tiny")
 
     policy, tok, base_model = common.load_policy(str(tiny_policy))
-    reranker = collect.Reranker(str(tmp_path / "critic"), policy, base_model)
+    reranker = rollout.Reranker(str(tmp_path / "critic"), policy, base_model)
     messages = common.first_messages("Act.", "Find the animal.", "You are in the kitchen.")
     texts = ["Thought: look.\nAction: look around", "Thought: go.\nAction: open door to outside", "Action: wait",
              "Thought: look.\nAction: look around"]

@@ -44,6 +44,9 @@ def test_smoke_loop_survives_a_kill_and_reports(tmp_path):
     for name in ("| BC |", "| Iter 1 |", "| Iter 2 |"):
         assert name in table and name in out
     assert (run / "results.png").read_bytes()[:4] == b"\x89PNG"
+    # where the time went: each stage's marker holds its own seconds (the killed collect's only its second run)
+    assert all((run / "1" / stage / ".done").read_text().startswith("seconds ") for stage in ("collect", "bppo"))
+    assert "minutes per stage of" in out and "| critic |  |" in out and "| **all** |" in out
 
 
 def test_smoke_loop_with_etos_prompt(tmp_path):
@@ -108,3 +111,21 @@ def test_smoke_loop_without_policy_improvement(tmp_path):
     assert args["policy"] == str(run / "0" / "bc") and args["rerank_with"] == str(run / "1" / "critic")
     assert args["candidates"] == 3 and args["temperature"] > 0
     assert "| Iter 1 (BC + critic's pick of 3) |" in (run / "results.md").read_text()
+
+
+def test_stage_times_from_the_markers(tmp_path):
+    # Seconds written by evolve.sh count as they are; an old empty marker is timed from the one before it.
+    import sys
+    sys.path.insert(0, str(ROOT / "tools"))
+    import stage_times
+    run = tmp_path / "run"
+    for it, stage, text, mtime in ((0, "bc", "seconds 600\n", 1000), (0, "eval_seen", "", 1090),
+                                   (1, "collect", "seconds 120", 1300), (1, "critic", "", 1480)):
+        (run / str(it) / stage).mkdir(parents=True)
+        (run / str(it) / stage / ".done").write_text(text)
+        os.utime(run / str(it) / stage / ".done", (mtime, mtime))
+    times = stage_times.stage_seconds(run)
+    assert times == {(0, "bc"): 600, (0, "eval_seen"): 90, (1, "collect"): 120, (1, "critic"): 180}
+    table = stage_times.table(run)
+    assert "| bc | 10.0 |  | 10.0 |" in table and "| critic |  | 3.0 | 3.0 |" in table
+    assert "| **all** | 11.5 | 5.0 | **16.5** |" in table

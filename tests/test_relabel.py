@@ -5,7 +5,7 @@ import pytest
 
 import common
 import relabel
-from collect import env_step, trajectory
+from rollout import env_step, trajectory
 from conftest import run_script
 from envs import make_env
 
