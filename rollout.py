@@ -3,7 +3,8 @@ and ETO's one-episode loop, the reference the engine must match.
 
 The engine (bench/rollout_speed.py measures it against the reference on this machine):
 - continuous batching: as many episodes as environments are in flight; when one ends, its slot takes the next
-  task for the next turn, so no slot idles while the longest episode of a wave plays on;
+  task, and when an answer ends its slot acts and goes on at once: no slot waits for the longest episode of a
+  wave, nor for the longest answer of a turn;
 - the prompt prefix every episode shares (the system prompt; with --prompt eto also ETO's one-shot example) is
   prefilled once, and its keys and values are copied into each new episode's row;
 - each row keeps its KV cache between turns and prefills only its new tokens (end of turn, observation, next
@@ -12,15 +13,14 @@ The engine (bench/rollout_speed.py measures it against the reference on this mac
 - the decode feeds one token per row, all rows in one forward: the weights, read once, serve every row;
 - the cache is a buffer with spare room written in place: transformers' DynamicCache concatenates, which copies
   the whole cache at every decoded token (a third of a decode step at 800 cached tokens, 2 CPU cores);
-- positions a row does not use (a shorter block than another row's, an answer that ended while others decode,
-  an old episode) are masked holes, compacted away once they are worth a copy of the cache;
+- positions a row does not use (another row's prefill, an old episode) are masked holes, compacted away once
+  they are worth a copy of the cache;
 - environments that allow it reset and step side by side in threads (ScienceWorld: one JVM each).
 
-What stays on the table (docs/speed.md): a row that ended its answer still rides along in the decode (no weight
-reads of its own, only its masked attention); letting it prefill its next observation while the others decode
-needs ragged (paged) attention, as vLLM has and transformers' eager models do not. Guessing tokens ahead from
-the chat (prompt-lookup speculative decoding) was tried: 1.6× fewer decode forwards, each 1.5× dearer on this
-CPU, so no gain.
+What stays on the table (docs/speed.md): a row's prefill leaves holes in every other row, which the decode reads
+until a compaction; writing it into the row's own free positions needs explicit 4-D masks (or paged attention, as
+vLLM has). Guessing tokens ahead from the chat (prompt-lookup speculative decoding) was tried: 1.6× fewer decode
+forwards, each 1.5× dearer on this CPU, so no gain.
 """
 from __future__ import annotations
 
@@ -216,11 +216,11 @@ class RowLayer(DynamicLayer):
 class Engine:
     """Plays episodes on the rows of one batch, one slot per environment (see the module docstring).
 
-    A turn is a prefill, then a decode. The prefill gives each row its new tokens in a forward of that row
-    alone: on a CPU a forward costs what its padded width costs, and the new tokens range from a 20-token
-    observation to a whole first prompt. The decode feeds one token per row, all rows in one forward, where
-    the weights read once serve every row. With a reranker, each slot holds `candidates` rows that sample
-    their own answer; the critic's pick is played and its row copied over the others."""
+    A slot's new tokens are prefilled in a forward of its row alone (on a CPU a forward costs what its padded
+    width costs, and new tokens range from a 20-token observation to a whole first prompt); the rows in the
+    middle of an answer decode together, one token each per forward. With a reranker, each slot holds
+    `candidates` rows that sample their own answer; when all have ended, the critic's pick is played and its
+    row copied over the others."""
 
     def __init__(self, model, tok, max_new_tokens: int, temperature: float, reranker=None, candidates: int = 1):
         self.model, self.tok = model, tok
@@ -246,14 +246,14 @@ class Engine:
             prefix = prefix[:self._common(prefix, conv.ids)]
         self.prefix = prefix
         cfg = self.model.config
-        heads, dim = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.prefix_kv = []
         if prefix:
             out = self.model(input_ids=torch.tensor([prefix], device=self.dev), use_cache=True, logits_to_keep=1)
             self.prefix_kv = [(layer.keys, layer.values) for layer in out.cache.layers]
         rows = len(first) * self.n
         dtype = self.model.get_input_embeddings().weight.dtype  # the compute dtype, also under a 4-bit base
-        empty = torch.zeros(rows, heads, 0, dim, dtype=dtype, device=self.dev)
+        empty = torch.zeros(rows, cfg.num_key_value_heads, 0, dim, dtype=dtype, device=self.dev)
         self.kv = Cache(layers=[BufferLayer(empty, empty.clone()) for _ in range(cfg.num_hidden_layers)])
         self.mask = torch.zeros(rows, 0, dtype=torch.long)
         self.seen = torch.zeros(rows, dtype=torch.long)
@@ -273,21 +273,21 @@ class Engine:
         n = self._common(self.prefix, conv.ids)
         return n, conv.ids[n:]
 
-    def _prefill(self, blocks: list[tuple[int, list[int]]]) -> torch.Tensor:
-        """Give each row its block (n, tokens): the shared prefix's first n keys and values, copied, then the
-        tokens, prefilled in a forward of that row alone. Every row's block starts at the same position of the
-        batch (holes after the shorter ones); rows of one slot share a block, prefilled once and copied.
-        Returns the logits after each row's last token."""
+    def _prefill(self, blocks: dict[int, tuple[int, list[int]]]) -> dict[int, torch.Tensor]:
+        """Give each row in `blocks` its block (n, tokens): the shared prefix's first n keys and values, copied,
+        then the tokens, prefilled in a forward of that row alone. The blocks start at the same position of the
+        batch (holes after the shorter ones, and in the other rows); rows of one slot share a block, prefilled
+        once and copied. Returns the logits after each row's last token."""
         t0, layers, start = time.time(), self._layers(), self.mask.shape[1]
-        width = max(n + len(tokens) for n, tokens in blocks)
+        width = max(n + len(tokens) for n, tokens in blocks.values())
         for layer in layers:
             layer.reserve(start + width)
-        new = torch.zeros(len(blocks), width, dtype=torch.long)
-        logits = [None] * len(blocks)
-        for r, (n, tokens) in enumerate(blocks):
+        new = torch.zeros(len(self.seen), width, dtype=torch.long)
+        logits = {}
+        for r, (n, tokens) in sorted(blocks.items()):
             end = start + n + len(tokens)
             new[r, :n + len(tokens)] = 1
-            if r % self.n:  # a candidate row: the same block as its slot's first row
+            if r % self.n and r - 1 in blocks:  # a candidate row: the same block as its slot's first row
                 for layer in layers:
                     layer.kbuf[r, :, start:end], layer.vbuf[r, :, start:end] = (
                         layer.kbuf[r - 1, :, start:end], layer.vbuf[r - 1, :, start:end])
@@ -307,7 +307,7 @@ class Engine:
             layer.advance(start + width)
         self.mask, self.seen = torch.cat([self.mask, new], 1), self.seen + new.sum(1)
         self.stats["prefill_s"] += time.time() - t0
-        return torch.stack(logits)
+        return logits
 
     def _decode(self, tokens: list[int | None]) -> torch.Tensor:
         """Feed each row its token (None: a row that is done, fed a masked pad), all rows in one forward;
@@ -333,12 +333,12 @@ class Engine:
 
     def _compact(self) -> None:
         """Move each row's tokens to the right end of a cache as wide as the longest row (holes dropped), once
-        the holes are worth it: every decode forward reads the whole cache, holes included, which at 8 rows of
-        1000 tokens is 0.4 GB, most of a forward's weights again; a compaction copies it once."""
+        the holes are worth a copy of the cache: every decode forward reads the whole cache, holes included (8 rows
+        of 1000 tokens are 0.37 GB, 22 ms of a 100 ms forward), and each prefill leaves holes in the other rows."""
         if not len(self.seen):
             return
         width = int(self.seen.max())
-        if self.mask.shape[1] <= width + 16 + width // 16:
+        if self.mask.shape[1] <= width + 64 + width // 4:
             return
         # each row's used positions in order, right-aligned; the slots to their left point at position 0, masked
         order = torch.sort(self.mask * torch.arange(1, self.mask.shape[1] + 1), dim=1, stable=True).indices
@@ -356,39 +356,19 @@ class Engine:
         probs = torch.softmax(logits / self.temperature, -1)
         return torch.multinomial(probs, 1).squeeze(-1).tolist()
 
-    def _turn(self, blocks: list[tuple[int, list[int]]]) -> tuple[list[list[int]], list[bool]]:
-        """Every row prefills its block, then decodes one answer; rows that stopped wait (masked) for the rest.
-        Returns each row's answer tokens and whether its last token still has to be fed (cut at max_new_tokens)."""
-        logits = self._prefill(blocks)
-        self._compact()  # the blocks' lengths differ: the shorter ones left holes the decode would read
-        answers, unfed, live = [[] for _ in blocks], [False] * len(blocks), set(range(len(blocks)))
-        while True:
-            feed: list[int | None] = [None] * len(blocks)
-            for r, token in enumerate(self._next_tokens(logits)):
-                if r not in live:
-                    continue
-                if token in self.stop:
-                    live.discard(r)
-                    continue
-                answers[r].append(token)
-                if len(answers[r]) == self.max_new:
-                    live.discard(r)
-                    unfed[r] = True
-                else:
-                    feed[r] = token
-            if not live:
-                self.stats["answer_tokens"] += sum(map(len, answers))
-                return answers, unfed
-            logits = self._decode(feed)
-
     @torch.no_grad()
     def play(self, envs: list[TextEnv], episodes: Iterable[Callable[[TextEnv], Conversation]]
              ) -> Iterator[Conversation]:
         """Play `episodes` (each a function that starts its Conversation on the environment it is given) on as many
         slots as `envs`: a slot whose episode ends takes the next one. Yields each finished conversation.
+
+        Every iteration samples one token for each row in the middle of an answer and feeds it (one decode
+        forward for all rows). A slot whose answer has ended acts on it at once (the critic's pick first, with a
+        reranker), and its next tokens (end of turn and observation, or a new episode's prompt) are prefilled
+        before the next decode, so no slot waits for the longest answer of the others.
         Environments that allow it (TextEnv.parallel: ScienceWorld's, each in its own JVM) reset and step side by
         side in threads; which slot takes which episode, and so every sample drawn, does not depend on timing."""
-        episodes = iter(episodes)
+        episodes, n = iter(episodes), self.n
         with ThreadPoolExecutor(len(envs) if all(env.parallel for env in envs) else 1) as pool:
             def start(free: list[TextEnv]) -> list[Conversation]:  # the next episodes, one per free environment
                 return list(pool.map(lambda job: job[1](job[0]), list(zip(free, episodes))))
@@ -397,17 +377,47 @@ class Engine:
             if not convs:
                 return
             self._start(convs)
-            pending = [self._enter(s, c) for s, c in enumerate(convs)]
+            blocks = {s: self._enter(s, c) for s, c in enumerate(convs)}  # slot -> the block it prefills next
+            rows = len(convs) * n
+            logits, answers, live, unfed = [None] * rows, [[] for _ in range(rows)], [False] * rows, [False] * rows
             while convs:
-                answers, unfed = self._turn([block for block in pending for _ in range(self.n)])
-                texts = [self.tok.decode(a, skip_special_tokens=True) for a in answers]
-                chosen = [s * self.n for s in range(len(convs))]  # the row each conversation plays
+                if blocks:  # these slots' rows prefill their new tokens, then start an answer
+                    prefilled = self._prefill({s * n + j: b for s, b in blocks.items() for j in range(n)})
+                    for r, row_logits in prefilled.items():
+                        logits[r], answers[r], live[r], unfed[r] = row_logits, [], True, False
+                    blocks = {}
+                    self._compact()
+                feed: list[int | None] = [None] * len(live)
+                for r, token in enumerate(self._next_tokens(torch.stack(logits))):
+                    if not live[r]:
+                        continue
+                    if token in self.stop:
+                        live[r] = False
+                        continue
+                    answers[r].append(token)
+                    if len(answers[r]) == self.max_new:
+                        live[r], unfed[r] = False, True
+                    else:
+                        feed[r] = token
+                if any(t is not None for t in feed):
+                    decoded = self._decode(feed)
+                    for r, t in enumerate(feed):
+                        if t is not None:
+                            logits[r] = decoded[r]
+                ready = [s for s in range(len(convs)) if not any(live[s * n:(s + 1) * n])]  # answers ended just now
+                if not ready:
+                    continue
+                texts = {s * n + j: self.tok.decode(answers[s * n + j], skip_special_tokens=True)
+                         for s in ready for j in range(n)}
+                self.stats["answer_tokens"] += sum(len(answers[r]) for r in texts)
+                chosen = {s: s * n for s in ready}  # the row each conversation plays
                 if self.reranker:
-                    chosen = [k + self.reranker.pick(self.tok, conv.messages, texts[k:k + self.n])
-                              for k, conv in zip(chosen, convs)]
-                list(pool.map(lambda s: convs[s].act(texts[chosen[s]]), range(len(convs))))
+                    chosen = {s: s * n + self.reranker.pick(self.tok, convs[s].messages,
+                                                            [texts[s * n + j] for j in range(n)]) for s in ready}
+                list(pool.map(lambda s: convs[s].act(texts[chosen[s]]), ready))
                 ended = []
-                for s, (conv, k) in enumerate(zip(convs, chosen)):
+                for s in ready:
+                    conv, k = convs[s], chosen[s]
                     suffix = None if conv.done else conv.suffix_ids(texts[k])
                     if not conv.done:
                         conv.grow(answers[k] + (suffix or []))
@@ -416,19 +426,24 @@ class Engine:
                         yield conv
                     elif suffix is None:  # the template rewrote the answer: this chat is prefilled anew
                         conv.ids = common.tokenize_chat(self.tok, conv.messages, add_generation_prompt=True)[0]
-                        pending[s] = None
+                        blocks[s] = None
                     else:
-                        pending[s] = 0, answers[k][-1:] * unfed[k] + suffix
+                        blocks[s] = 0, answers[k][-1:] * unfed[k] + suffix
                 fresh = start([convs[s].env for s in ended])
                 for s, conv in zip(ended, fresh):
-                    convs[s], pending[s] = conv, None  # entered below, once the rows are selected
-                keep = [s for s in range(len(convs)) if s not in ended[len(fresh):]]
-                convs, pending = [convs[s] for s in keep], [pending[s] for s in keep]
-                self._select([chosen[s] for s in keep for _ in range(self.n)])
-                for s, conv in enumerate(convs):
-                    if pending[s] is None:
-                        pending[s] = self._enter(s, conv)
-                self._compact()
+                    convs[s], blocks[s] = conv, None  # entered below, once the rows are selected
+                gone = set(ended[len(fresh):])
+                if n > 1 or gone:  # the pick's row copied over its siblings; slots with no episode left closed
+                    keep = [s for s in range(len(convs)) if s not in gone]
+                    index = [chosen[s] if s in chosen else s * n + j for s in keep for j in range(n)]
+                    self._select(index)
+                    logits, answers = [logits[r] for r in index], [answers[r] for r in index]
+                    live, unfed = [live[r] for r in index], [unfed[r] for r in index]
+                    blocks = {keep.index(s): b for s, b in blocks.items() if s not in gone}
+                    convs = [convs[s] for s in keep]
+                for s, b in list(blocks.items()):
+                    if b is None:
+                        blocks[s] = self._enter(s, convs[s])
 
 
 def play_one(env: TextEnv, task: Task, traj_id: str, model, tok, prompt: common.Prompt, max_new_tokens: int,
