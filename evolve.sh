@@ -42,6 +42,11 @@ case "$PROMPT" in short) ;; eto) : "${MAX_STEPS=}" ;; *) echo "PROMPT=$PROMPT: u
 : "${BC_ACCUM:=2}" "${CRITIC_ACCUM:=1}" "${CRITIC_TAU:=0.1}" "${MAX_NEW_TOKENS:=48}"
 : "${ABLATION:=none}" "${PROCESS_REWARD:=gae}" "${KEEP_SELF:=0}" "${CANDIDATES:=5}"
 bc_extra=() critic_extra=() bppo_extra=()
+# BF16=1: the training stages' forward and backward passes in bfloat16 autocast, weights and optimizer state in
+# fp32 (--bf16; 1.4x faster LoRA training on a CPU with AVX512-BF16; a 7B base is bf16 on CUDA anyway).
+# Rollouts stay in the model's own dtype, so that greedy episodes do not depend on how rows are batched.
+: "${BF16:=1}"
+[ "$BF16" = 1 ] && { bc_extra+=(--bf16); critic_extra+=(--bf16); bppo_extra+=(--bf16); }
 # What we add to the paper's algorithm for small data on a CPU, each a flag (README, "Where we depart from the
 # paper"); PRESET=7b runs none of them (DEPARTURES=none). exact_fit: the critic's heads re-solved by least squares after training;
 # heldout: 10% of the demonstrations kept out of BC and of the hybrid data kept out of critic training, for
@@ -74,7 +79,7 @@ critic_flags=(--process-reward "$PROCESS_REWARD" --epochs "$CRITIC_EPOCHS" --gra
 bppo_flags=(--epochs "$BPPO_EPOCHS" --lr "$BPPO_LR" --grad-accum "$GRAD_ACCUM" "${bppo_extra[@]}")
 settings=$(for v in ENV MODEL ITERS TASKS NUM_DEMOS NUM_TASKS NUM_EVAL SAMPLES TEMPERATURE MAX_STEPS BC_EPOCHS \
                     CRITIC_EPOCHS BPPO_EPOCHS BPPO_LR NUM_ENVS GRAD_ACCUM BC_ACCUM CRITIC_ACCUM CRITIC_TAU MAX_NEW_TOKENS ABLATION PROCESS_REWARD \
-                    KEEP_SELF PROMPT DEPARTURES CANDIDATES; do
+                    KEEP_SELF PROMPT DEPARTURES CANDIDATES BF16; do
   printf '%-15s %s\n' "$v" "${!v}"; done)
 printf 'RUN            %s\n%s\n' "$RUN" "$settings"
 if [ "${DRY_RUN:-0}" = 1 ]; then

@@ -53,8 +53,8 @@ def sum_logp(checkpoint, traj):
         return common.action_logprobs(model, torch.tensor([ids]), torch.ones_like(mask), mask).sum().item()
 
 
-@pytest.mark.parametrize("objective", ["bppo", "awr"])
-def test_update_raises_positive_and_lowers_negative_actions(objective, tiny_policy, sciworld_expert, tmp_path):
+@pytest.mark.parametrize("objective,bf16", [("bppo", False), ("awr", False), ("bppo", True)])
+def test_update_raises_positive_and_lowers_negative_actions(objective, bf16, tiny_policy, sciworld_expert, tmp_path):
     good, bad = common.read_jsonl(sciworld_expert)
     # The two share most of their tokens ("Thought: ... Action: ..."), so one LoRA update moves both: with +1 on
     # the longer one's 12 steps and −1 on the other's 5, raising the first raised the second too (+3 nats). The
@@ -70,8 +70,9 @@ def test_update_raises_positive_and_lowers_negative_actions(objective, tiny_poli
     # At 1e-3 all 6 moved the right way, by 2-3 nats (bad) and 2-5 (good, bppo) or 16-20 (good, awr).
     run_script("bppo.py", "--data", str(data), "--policy", str(tiny_policy), "--reference", str(tiny_policy),
                "--out", str(out), "--epochs", "3", "--lr", "1e-3", "--grad-accum", "2", "--kl-coef", "0",
-               "--objective", objective)
+               "--objective", objective, *(["--bf16"] if bf16 else []))
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # η = 1 at the first step: π_old's log-probs come from the same computation as the update's, bf16 or not
     assert len(metrics) == 3 and metrics[0]["approx_kl"] == pytest.approx(0.0, abs=1e-6)
     assert sum_logp(out, good) > sum_logp(tiny_policy, good)
     if objective == "bppo":  # AWR has no way to push an action down: that is the paper's point

@@ -105,6 +105,29 @@ def test_action_logprobs_match_a_full_softmax(tiny):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_bf16_runs_the_decoder_in_bfloat16_and_the_heads_in_fp32(tiny):
+    model, _ = tiny
+    torch.manual_seed(0)
+    ids = torch.randint(0, 1000, (1, 16))
+    mask = torch.zeros_like(ids)
+    mask[0, 5:12] = 1
+    seen = {}
+    layer = model.get_decoder().layers[0].self_attn.q_proj
+    hooks = [layer.register_forward_hook(lambda m, i, o: seen.__setitem__("decoder", o.dtype)),
+             model.get_output_embeddings().register_forward_hook(lambda m, i, o: seen.__setitem__("head", i[0].dtype))]
+    try:
+        with torch.no_grad():
+            fp32 = common.action_logprobs(model, ids, torch.ones_like(ids), mask)
+            assert seen == {"decoder": torch.float32, "head": torch.float32}
+            bf16 = common.action_logprobs(model, ids, torch.ones_like(ids), mask, bf16=True)
+            assert seen == {"decoder": torch.bfloat16, "head": torch.float32}
+    finally:
+        for h in hooks:
+            h.remove()
+    assert bf16.dtype == torch.float32 and not torch.equal(bf16, fp32)  # it did compute in bfloat16
+    torch.testing.assert_close(bf16, fp32, atol=0.05, rtol=0.0)  # ~3 significant digits through the decoder
+
+
 @pytest.mark.parametrize("script", ["bc.py", "collect.py", "relabel.py", "critic.py", "bppo.py",
                                     "bench/rollout_speed.py", "bench/critic_speed.py",
                                     "bench/gpu_memory.py", "bench/bppo_memory.py", "envs/webshop_build.py",
