@@ -45,11 +45,13 @@ class Args:
     env: str
     """sciworld | alfworld | webshop"""
     out: str
-    """trajectory JSONL to append to (created if missing); the summary goes next to it"""
+    """trajectory JSONL to append to (created if missing); the summary goes next to it. `{split}` in it is
+    replaced by each split's name"""
     policy: str = "expert"
     """'expert' (the environment's expert) or a policy checkpoint folder (bc.py / bppo.py output)"""
-    split: str = "train"
-    """train | seen (dev) | unseen (test)"""
+    split: tuple[str, ...] = ("train",)
+    """train | seen (dev) | unseen (test); several (`--split seen unseen`) play in one run, sharing the model and
+    the slots, each split into its own file: --out then holds `{split}`"""
     task_names: tuple[str, ...] = ()
     """keep only these task families (ScienceWorld tasks, ALFWorld task types, WebShop categories)"""
     num_tasks: int | None = None
@@ -129,9 +131,21 @@ def play_expert(env: TextEnv, task: Task, traj_id: str, iteration: int, prompt: 
     return trajectory(env, task, traj_id, "expert", iteration, info, obs0, messages, steps, score, won)
 
 
-def summarize(trajs: list[dict], args: Args) -> dict:
+def select_tasks(env: TextEnv, split: str, args: Args) -> list[Task]:
+    """The split's tasks of the families in --task-names (all when it is empty)."""
+    tasks = env.tasks(split)
+    if args.task_names:
+        known = sorted({t.name for t in tasks})
+        if unknown := [n for n in args.task_names if n not in known]:
+            raise common.UserError(f"--task-names {' '.join(unknown)}: not in {args.env} {split}; "
+                                   f"its families are: {' '.join(known)}")
+        tasks = [t for t in tasks if t.name in args.task_names]
+    return tasks
+
+
+def summarize(trajs: list[dict], split: str, args: Args) -> dict:
     n = max(len(trajs), 1)
-    return {"env": args.env, "split": args.split, "policy": args.policy, "rerank_with": args.rerank_with,
+    return {"env": args.env, "split": split, "policy": args.policy, "rerank_with": args.rerank_with,
             "candidates": args.candidates if args.rerank_with else 1, "episodes": len(trajs),
             "reward_x100": 100 * sum(t["reward"] for t in trajs) / n,
             "success_rate": sum(t["success"] for t in trajs) / n,
@@ -144,8 +158,10 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     common.seed_everything(args.seed)
-    out = Path(args.out)
-    done_ids = {t["id"] for t in common.read_jsonl(out, allow_empty=True)} if out.exists() else set()
+    if len(args.split) > 1 and "{split}" not in args.out:
+        raise common.UserError(f"--split {' '.join(args.split)}: --out must hold {{split}}, one file per split")
+    outs = {split: Path(args.out.replace("{split}", split)) for split in args.split}
+    done_ids = {t["id"] for out in outs.values() if out.exists() for t in common.read_jsonl(out, allow_empty=True)}
     if args.rerank_with and (args.policy == "expert" or args.temperature <= 0 or args.candidates < 2):
         raise common.UserError("--rerank-with: needs a policy checkpoint, --temperature > 0 and --candidates >= 2 "
                                "(greedy decoding would give the critic one candidate to choose from)")
@@ -157,33 +173,31 @@ def main() -> None:
         model.eval()
     envs = [make_env(args.env) for _ in range(1 if args.policy == "expert" else args.num_envs)]
     prompt, paper_cap = common.Prompt(args.prompt, args.env, envs[0].system_prompt), envs[0].max_steps
-    tasks = envs[0].tasks(args.split)
-    if args.task_names:
-        known = sorted({t.name for t in tasks})
-        if unknown := [n for n in args.task_names if n not in known]:
-            raise common.UserError(f"--task-names {' '.join(unknown)}: not in {args.env} {args.split}; "
-                                   f"its families are: {' '.join(known)}")
-        tasks = [t for t in tasks if t.name in args.task_names]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    common.write_json(out.with_suffix(".args.json"), vars(args))
+    tasks = {split: select_tasks(envs[0], split, args) for split in args.split}
+    for out in outs.values():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        common.write_json(out.with_suffix(".args.json"), vars(args))
 
-    target = min(args.num_tasks or len(tasks), len(tasks))
+    # the first --num-tasks tasks of each split, --samples-per-task times; with the expert, the tasks after them
+    # take the place of those whose expert path is longer than the cap
+    target = {split: min(args.num_tasks or len(ts), len(ts)) for split, ts in tasks.items()}
+    extra = {split: iter(ts[target[split]:]) for split, ts in tasks.items()}
     source = "expert" if args.policy == "expert" else "policy"
-    todo = [(task, f"{task.key}/{source}{k}") for task in tasks[:target] for k in range(args.samples_per_task)]
+    todo = [(task, f"{task.key}/{source}{k}") for split, ts in tasks.items() for task in ts[:target[split]]
+            for k in range(args.samples_per_task)]
     written, steps, skipped, too_long, t0 = 0, 0, 0, 0, time.time()
-    bar = tqdm(total=len(todo), desc=f"{args.env} {args.split}", unit="episode")
+    bar = tqdm(total=len(todo), desc=f"{args.env} {' '.join(args.split)}", unit="episode")
     bar.update(sum(i in done_ids for _, i in todo))
 
     def record(traj: dict) -> None:
         nonlocal written, steps
-        common.append_jsonl(out, traj)
+        common.append_jsonl(outs[traj["split"]], traj)
         written, steps = written + traj["success"], steps + len(traj["steps"])
         bar.update()
         bar.set_postfix(success=f"{written}/{bar.n}", steps_per_s=f"{steps / (time.time() - t0):.1f}")
 
     pending = [(task, i) for task, i in todo if i not in done_ids]
     if args.policy == "expert":
-        extra = iter(tasks[target:])  # tasks to take the place of those the expert cannot finish
         while pending:
             task, traj_id = pending.pop(0)
             envs[0].max_steps = step_cap(args, envs[0], task, paper_cap)
@@ -192,7 +206,7 @@ def main() -> None:
                 skipped += traj is None
                 if traj is not None:
                     print(f"expert failed: {traj_id} (reward {traj['reward']:.2f})")
-                if traj is None and args.num_tasks and (task := next(extra, None)):
+                if traj is None and args.num_tasks and (task := next(extra[task.split], None)):
                     pending.append((task, f"{task.key}/expert0"))
                 bar.update()
                 continue
@@ -213,22 +227,29 @@ def main() -> None:
     for env in envs:
         env.close()
 
-    ids = {i for _, i in todo}
-    trajs = [t for t in common.read_jsonl(out, allow_empty=True) if t["id"] in ids or source == "expert"]
-    summary = summarize(trajs, args)
-    common.write_json(out.with_suffix(".summary.json"), summary)
-    agent = args.policy + (f" + {args.rerank_with}'s pick of {args.candidates}" if args.rerank_with else "")
-    row = (f"| {agent} | {args.env} {args.split} | {summary['reward_x100']:.1f} | "
-           f"{100 * summary['success_rate']:.1f} | {summary['mean_steps']:.1f} | {summary['env_steps']} |")
-    out.with_suffix(".summary.md").write_text("| policy | env split | reward ×100 | success % | steps | env steps |\n"
-                                              "|---|---|---|---|---|---|\n" + row + "\n")
     elapsed = time.time() - t0
-    print(f"{len(trajs)} trajectories in {out}; this run: {steps} env steps at {steps / elapsed:.1f} steps/s")
+    print(f"this run: {steps} env steps at {steps / elapsed:.1f} steps/s")
     if too_long:
         print(f"{too_long} episodes ended early: their chat reached --max-length {args.max_length} "
               "(or the model's context)")
     if skipped:
         print(f"skipped {skipped} tasks whose expert path is longer than the step cap (--max-steps)")
+    ids = {i for _, i in todo}
+    for split, out in outs.items():
+        report(out, [t for t in common.read_jsonl(out, allow_empty=True) if t["id"] in ids or source == "expert"],
+               split, args)
+
+
+def report(out: Path, trajs: list[dict], split: str, args: Args) -> None:
+    """A split's summary beside its file: <out>.summary.json and the results row <out>.summary.md."""
+    summary = summarize(trajs, split, args)
+    common.write_json(out.with_suffix(".summary.json"), summary)
+    agent = args.policy + (f" + {args.rerank_with}'s pick of {args.candidates}" if args.rerank_with else "")
+    row = (f"| {agent} | {args.env} {split} | {summary['reward_x100']:.1f} | "
+           f"{100 * summary['success_rate']:.1f} | {summary['mean_steps']:.1f} | {summary['env_steps']} |")
+    out.with_suffix(".summary.md").write_text("| policy | env split | reward ×100 | success % | steps | env steps |\n"
+                                              "|---|---|---|---|---|---|\n" + row + "\n")
+    print(f"{len(trajs)} trajectories in {out}")
     print(row)
 
 

@@ -108,13 +108,13 @@ stage() {  # stage DIR COMMAND...: run COMMAND unless DIR/.done says it already 
   "$@"
   echo "seconds $((SECONDS - start))" > "$dir/.done"
 }
-evaluate() {  # evaluate ITER POLICY [CRITIC]: greedy episodes on seen and unseen tasks; with a critic, its pick
-  local decode=(--temperature 0)  # of CANDIDATES answers sampled at TEMPERATURE
+# evaluate ITER POLICY [CRITIC]: greedy episodes on seen and unseen tasks in one process (the splits share its slots),
+# into RUN/ITER/eval/{seen,unseen}.jsonl; with a critic, its pick of CANDIDATES answers sampled at TEMPERATURE
+evaluate() {
+  local decode=(--temperature 0)
   [ -n "${3:-}" ] && decode=(--temperature "$TEMPERATURE" --rerank-with "$3" --candidates "$CANDIDATES")
-  for split in seen unseen; do
-    stage "$RUN/$1/eval_$split" python collect.py "${select[@]}" --policy "$2" --split $split \
-      "${eval_tasks[@]}" --num-envs "$NUM_ENVS" --max-new-tokens "$MAX_NEW_TOKENS" "${decode[@]}" --iteration "$1" --out "$RUN/$1/eval_$split/episodes.jsonl"
-  done
+  stage "$RUN/$1/eval" python collect.py "${select[@]}" --policy "$2" --split seen unseen "${eval_tasks[@]}" \
+    --num-envs "$NUM_ENVS" --max-new-tokens "$MAX_NEW_TOKENS" "${decode[@]}" --iteration "$1" --out "$RUN/$1/eval/{split}.jsonl"
 }
 
 expert=$RUN/0/expert/train.jsonl

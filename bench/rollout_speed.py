@@ -15,6 +15,8 @@ move from run to run, so there only the task set is the same.
 """
 from __future__ import annotations
 
+import os
+import shlex
 import subprocess
 import sys
 import time
@@ -54,17 +56,20 @@ class Args:
 
 
 def train_policy(args: Args) -> str:
-    """evolve.sh's default BC policy: 18 expert demonstrations of the lifespan tasks, 8 epochs."""
+    """evolve.sh's default BC policy, made by the commands evolve.sh itself runs (read from its DRY_RUN listing,
+    so that the two never drift apart): its expert export, then BC."""
     work = Path(args.workdir)
-    if (work / "bc" / "qevolve.json").exists():
-        return str(work / "bc")
-    expert = work / "expert.jsonl"
-    print(f"no --policy: training evolve.sh's BC policy into {work / 'bc'} (~12 min on 2 CPU cores)", flush=True)
-    for cmd in (["collect.py", "--env", "sciworld", "--task-names", *LIFESPAN, "--num-tasks", "18", "--max-steps", "12",
-                 "--out", str(expert)],
-                ["bc.py", "--data", str(expert), "--epochs", "8", "--grad-accum", "2", "--out", str(work / "bc")]):
-        subprocess.run([sys.executable, *cmd], cwd=ROOT, check=True)
-    return str(work / "bc")
+    if (work / "0" / "bc" / "qevolve.json").exists():
+        return str(work / "0" / "bc")
+    listing = subprocess.run(["bash", "evolve.sh"], cwd=ROOT, env={**os.environ, "DRY_RUN": "1", "RUN": str(work)},
+                             capture_output=True, text=True, check=True).stdout
+    commands = dict(line.removeprefix("[dry]").strip().split(": ", 1) for line in listing.splitlines()
+                    if line.startswith("[dry]"))
+    print(f"no --policy: training evolve.sh's BC policy into {work / '0' / 'bc'} (~7 min on 2 CPU cores)", flush=True)
+    for stage in ("expert", "bc"):
+        _, *argv = shlex.split(commands[f"{work}/0/{stage}"])
+        subprocess.run([sys.executable, *argv], cwd=ROOT, check=True)
+    return str(work / "0" / "bc")
 
 
 def tasks_of(args: Args, env):

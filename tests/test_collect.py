@@ -62,6 +62,25 @@ def test_engine_plays_the_episodes_of_etos_one_at_a_time_loop(tiny_policy, tmp_p
                    "--out", str(tmp_path / "bc"))
 
 
+def test_several_splits_share_one_run_and_each_keeps_its_file(tiny_policy, tmp_path):
+    # evolve.sh evaluates seen and unseen tasks in one process: each split's episodes go to its own file, with its
+    # own summary, and are the episodes a run of that split alone plays (greedy, deterministic WebShop).
+    argv = ["collect.py", "--env", "webshop", "--policy", str(tiny_policy), "--num-tasks", "2", "--temperature", "0",
+            "--max-steps", "3", "--max-new-tokens", "12", "--num-envs", "3"]
+    proc = run_script(*argv, "--split", "seen", "unseen", "--out", str(tmp_path / "both" / "{split}.jsonl"))
+    for split in ("seen", "unseen"):
+        both = common.read_jsonl(tmp_path / "both" / f"{split}.jsonl")
+        run_script(*argv, "--split", split, "--out", str(tmp_path / f"{split}.jsonl"))
+        alone = {t["id"]: t for t in common.read_jsonl(tmp_path / f"{split}.jsonl")}
+        assert len(both) == 2 and all(t["split"] == split for t in both)
+        assert all(t["messages"] == alone[t["id"]]["messages"] for t in both)
+        summary = json.loads((tmp_path / "both" / f"{split}.summary.json").read_text())
+        assert summary["split"] == split and summary["episodes"] == 2
+        assert f"| webshop {split} |" in proc.stdout
+    bad = run_script(*argv, "--split", "seen", "unseen", "--out", str(tmp_path / "one.jsonl"), check=False)
+    assert bad.returncode == 2 and "--out must hold {split}" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_engine_refills_slots_and_compacts_its_cache(tiny_policy):
     # More episodes than slots on a long chat: each refilled row forgets its last episode (its cache positions
     # masked, the shared prefix copied in) and the cache is compacted, yet each episode equals play_one's.

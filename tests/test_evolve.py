@@ -58,7 +58,7 @@ def test_smoke_loop_with_etos_prompt(tmp_path):
     assert proc.returncode == 0, out
     instruction = (ROOT / "data" / "eto" / "prompt_instructions_sciworld_inst.txt").read_text()
     example = common.eto_example("sciworld")
-    for path in ("0/expert/train.jsonl", "1/collect/self.jsonl", "1/critic/scored.jsonl", "1/eval_seen/episodes.jsonl"):
+    for path in ("0/expert/train.jsonl", "1/collect/self.jsonl", "1/critic/scored.jsonl", "1/eval/seen.jsonl"):
         for t in common.read_jsonl(run / path):
             head = t["messages"][:3 + len(example)]
             assert head[:2] == [{"role": "user", "content": instruction}, {"role": "assistant", "content": "OK"}]
@@ -107,7 +107,7 @@ def test_smoke_loop_without_policy_improvement(tmp_path):
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out
     assert not (run / "1" / "bppo").exists()
-    args = json.loads((run / "1" / "eval_seen" / "episodes.args.json").read_text())
+    args = json.loads((run / "1" / "eval" / "seen.args.json").read_text())
     assert args["policy"] == str(run / "0" / "bc") and args["rerank_with"] == str(run / "1" / "critic")
     assert args["candidates"] == 3 and args["temperature"] > 0
     assert "| Iter 1 (BC + critic's pick of 3) |" in (run / "results.md").read_text()
@@ -119,13 +119,13 @@ def test_stage_times_from_the_markers(tmp_path):
     sys.path.insert(0, str(ROOT / "tools"))
     import stage_times
     run = tmp_path / "run"
-    for it, stage, text, mtime in ((0, "bc", "seconds 600\n", 1000), (0, "eval_seen", "", 1090),
+    for it, stage, text, mtime in ((0, "bc", "seconds 600\n", 1000), (0, "eval", "", 1090),
                                    (1, "collect", "seconds 120", 1300), (1, "critic", "", 1480)):
         (run / str(it) / stage).mkdir(parents=True)
         (run / str(it) / stage / ".done").write_text(text)
         os.utime(run / str(it) / stage / ".done", (mtime, mtime))
     times = stage_times.stage_seconds(run)
-    assert times == {(0, "bc"): 600, (0, "eval_seen"): 90, (1, "collect"): 120, (1, "critic"): 180}
+    assert times == {(0, "bc"): 600, (0, "eval"): 90, (1, "collect"): 120, (1, "critic"): 180}
     table = stage_times.table(run)
     assert "| bc | 10.0 |  | 10.0 |" in table and "| critic |  | 3.0 | 3.0 |" in table
     assert "| **all** | 11.5 | 5.0 | **16.5** |" in table

@@ -3,7 +3,7 @@
 
     python tools/results.py runs/evolve-sciworld 2
 
-Reads RUN/<iter>/eval_{seen,unseen}/episodes.summary.json (collect.py's evaluation summaries) and, for the
+Reads RUN/<iter>/eval/{seen,unseen}.summary.json (collect.py's evaluation summaries) and, for the
 environment steps each policy cost to train, RUN/<iter>/collect/self.summary.json.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ def main(run: Path, iters: int) -> None:
     for it in range(iters + 1):
         if it:  # the policy of iteration it was trained on the rollouts of iterations 1..it
             train_steps += load(run / str(it) / "collect" / "self.summary.json")["env_steps"]
-        seen, unseen = (load(run / str(it) / f"eval_{s}" / "episodes.summary.json") for s in ("seen", "unseen"))
+        seen, unseen = (load(run / str(it) / "eval" / f"{s}.summary.json") for s in ("seen", "unseen"))
         name = "BC" if it == 0 else f"Iter {it}"
         if seen.get("rerank_with"):  # ABLATION=no_pi: the BC policy, the critic choosing among sampled answers
             name += f" (BC + critic's pick of {seen['candidates']})"
