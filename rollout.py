@@ -235,9 +235,6 @@ class Engine:
     # ------------------------------------------------------------------ the batch: cache, mask, positions
     # mask[r, j] = 1 where row r's position j holds one of its tokens (else a hole); seen[r] = how many it holds,
     # which is also the position the row's next token takes.
-    def _layers(self) -> list[BufferLayer]:
-        return self.kv.layers
-
     def _start(self, first: list[Conversation]) -> None:
         """The shared prefix (the longest common start of the first conversations, less their last token),
         prefilled once; the batch starts empty."""
@@ -278,7 +275,7 @@ class Engine:
         then the tokens, prefilled in a forward of that row alone. The blocks start at the same position of the
         batch (holes after the shorter ones, and in the other rows); rows of one slot share a block, prefilled
         once and copied. Returns the logits after each row's last token."""
-        t0, layers, start = time.time(), self._layers(), self.mask.shape[1]
+        t0, layers, start = time.time(), self.kv.layers, self.mask.shape[1]
         width = max(n + len(tokens) for n, tokens in blocks.values())
         for layer in layers:
             layer.reserve(start + width)
@@ -327,7 +324,7 @@ class Engine:
         if rows == list(range(len(self.seen))):
             return
         index = torch.tensor(rows, dtype=torch.long)
-        for layer in self._layers():
+        for layer in self.kv.layers:
             layer.apply(lambda t: t[index.to(t.device)])
         self.mask, self.seen = self.mask[index], self.seen[index]
 
@@ -344,7 +341,7 @@ class Engine:
         order = torch.sort(self.mask * torch.arange(1, self.mask.shape[1] + 1), dim=1, stable=True).indices
         index = order[:, order.shape[1] - width:]
         mask = torch.gather(self.mask, 1, index)
-        for layer in self._layers():
+        for layer in self.kv.layers:
             layer.apply(lambda t: torch.gather(t, 2, index.to(t.device)[:, None, :, None].expand(
                 t.shape[0], t.shape[1], width, t.shape[3])))
         self.mask = mask

@@ -8,7 +8,7 @@ ceiling of this machine, beside the engine's answer tokens per second over the w
 and all), so that the remaining gap is visible.
 
     python bench/rollout_speed.py --policy runs/evolve-sciworld/0/bc     # a trained BC policy
-    python bench/rollout_speed.py                                         # trains one first (evolve.sh's BC, ~12 min)
+    python bench/rollout_speed.py                                         # trains one first (evolve.sh's BC, ~8 min)
 
 On a deterministic environment (WebShop, ALFWorld) both ways must play identical episodes; ScienceWorld's animals
 move from run to run, so there only the task set is the same.
@@ -65,7 +65,7 @@ def train_policy(args: Args) -> str:
                              capture_output=True, text=True, check=True).stdout
     commands = dict(line.removeprefix("[dry]").strip().split(": ", 1) for line in listing.splitlines()
                     if line.startswith("[dry]"))
-    print(f"no --policy: training evolve.sh's BC policy into {work / '0' / 'bc'} (~7 min on 2 CPU cores)", flush=True)
+    print(f"no --policy: training evolve.sh's BC policy into {work / '0' / 'bc'} (~8 min on 2 CPU cores)", flush=True)
     for stage in ("expert", "bc"):
         _, *argv = shlex.split(commands[f"{work}/0/{stage}"])
         subprocess.run([sys.executable, *argv], cwd=ROOT, check=True)

@@ -4,7 +4,7 @@
 # the per-stage memory table (a 7B shape on a GPU; the tiny model on a CPU), and, given a loop's run folder,
 # the minutes each of its stages took (from the .done markers).
 #   POLICY=runs/evolve-sciworld/0/bc LOOP=runs/evolve-sciworld bash bench/run_all.sh
-# Without POLICY the rollout benchmark trains evolve.sh's BC policy first (~12 min on 2 CPU cores, kept in OUT).
+# Without POLICY the rollout benchmark trains evolve.sh's BC policy first (~8 min on 2 CPU cores, kept in OUT).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${POLICY:=}" "${LOOP:=}" "${OUT:=runs/bench}"
