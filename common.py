@@ -440,14 +440,15 @@ class Resume:
             self._epoch, self._epoch_rng = epoch, rng.getstate()
             yield epoch
 
-    def groups(self, n: int, size: int):
-        """The start index of each optimizer step's group of n items, without those the stopped run trained."""
+    def groups(self, n: int, size: int, stop: int | None = None):
+        """The start index of each optimizer step's group of n items, without those the stopped run trained;
+        at most `stop` of them (a training run of a set number of steps ends inside an epoch)."""
         starts = range(0, n, size)
         done = self.start["pos"] if self.start and self._epoch == self.start["epoch"] else 0
-        for pos, i in enumerate(starts, 1):
-            if pos > done:
-                self._pos, self._last = pos, pos == len(starts)
-                yield i
+        todo = [(pos, i) for pos, i in enumerate(starts, 1) if pos > done][:stop]
+        for k, (pos, i) in enumerate(todo, 1):
+            self._pos, self._last = pos, pos == len(starts) or k == len(todo)
+            yield i
 
     def step_done(self, step: int) -> None:
         if step % self.save_every == 0 or self._last:

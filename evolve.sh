@@ -7,6 +7,7 @@
 #   SMOKE=1 bash evolve.sh                 # the whole loop on the tiny model and two tasks, in minutes
 #   PRESET=7b ENV=alfworld bash evolve.sh  # Llama-2-7B-Chat, 4-bit QLoRA, all tasks, ETO's prompt: one 24 GB GPU
 #   PROMPT=eto bash evolve.sh              # ETO's instruction and one-shot example (the paper's protocol), ETO's step caps
+#   VARIANT=rft SEED=2 bash evolve.sh      # a baseline or ablation instead of Q-Evolve, another seed
 #   DRY_RUN=1 bash evolve.sh               # print the settings and every stage's command, run nothing
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -40,7 +41,8 @@ case "$PROMPT" in short) ;; eto) : "${MAX_STEPS=}" ;; *) echo "PROMPT=$PROMPT: u
 : "${NUM_DEMOS:=18}" "${NUM_TASKS:=12}" "${NUM_EVAL:=8}" "${SAMPLES:=2}" "${TEMPERATURE:=0.7}" "${MAX_STEPS=12}"
 : "${BC_EPOCHS:=8}" "${CRITIC_EPOCHS:=1}" "${BPPO_EPOCHS:=1}" "${BPPO_LR:=1e-4}" "${NUM_ENVS:=8}" "${GRAD_ACCUM:=4}"
 : "${BC_ACCUM:=2}" "${CRITIC_ACCUM:=1}" "${CRITIC_TAU:=0.1}" "${MAX_NEW_TOKENS:=48}"
-: "${ABLATION:=none}" "${PROCESS_REWARD:=gae}" "${KEEP_SELF:=0}" "${CANDIDATES:=5}"
+: "${VARIANT:=qevolve}" "${PROCESS_REWARD:=gae}" "${KEEP_SELF:=0}" "${CANDIDATES:=5}" "${SEED:=1}" "${EVAL:=every}"
+case "$EVAL" in every|last) ;; *) echo "EVAL=$EVAL: use every (BC and each iteration) or last (BC and the last)" >&2; exit 2 ;; esac
 bc_extra=() critic_extra=() bppo_extra=()
 # BF16=1: the training stages' forward and backward passes in bfloat16 autocast, weights and optimizer state in
 # fp32 (--bf16; 1.4x faster LoRA training on a CPU with AVX512-BF16; a 7B base is bf16 on CUDA anyway).
@@ -65,21 +67,23 @@ for departure in $DEPARTURES; do
 done
 
 relabel_flags=()
-case "$ABLATION" in  # the rows of the paper's Table 3
-  none) ;;
-  no_rr) relabel_flags=(--off) ;;
+case "$VARIANT" in
+  qevolve) ;;
+  sft|rft) ;;  # baselines, each iteration BC continued for BPPO's number of steps: sft on the expert data alone,
+               # rft (rejection-sampling fine-tuning) on it and the iteration's successful rollouts
+  no_rr) relabel_flags=(--off) ;;  # the rest are the rows of the paper's Table 3
   no_wiql) critic_extra+=(--no-weights) ;;
   no_gae) PROCESS_REWARD=q_minus_v ;;
   no_pi) ;;  # no policy update: the BC policy, with the critic choosing among CANDIDATES sampled answers per step
   awr) bppo_extra+=(--objective awr) ;;
-  *) echo "ABLATION=$ABLATION: use none, no_rr, no_wiql, no_gae, no_pi or awr" >&2; exit 2 ;;
+  *) echo "VARIANT=$VARIANT: use qevolve, sft, rft, no_pi, no_rr, no_wiql, no_gae or awr" >&2; exit 2 ;;
 esac
 critic_flags=(--process-reward "$PROCESS_REWARD" --epochs "$CRITIC_EPOCHS" --grad-accum "$CRITIC_ACCUM" --tau "$CRITIC_TAU"
               "${critic_extra[@]}")
 bppo_flags=(--epochs "$BPPO_EPOCHS" --lr "$BPPO_LR" --grad-accum "$GRAD_ACCUM" "${bppo_extra[@]}")
 settings=$(for v in ENV MODEL ITERS TASKS NUM_DEMOS NUM_TASKS NUM_EVAL SAMPLES TEMPERATURE MAX_STEPS BC_EPOCHS \
-                    CRITIC_EPOCHS BPPO_EPOCHS BPPO_LR NUM_ENVS GRAD_ACCUM BC_ACCUM CRITIC_ACCUM CRITIC_TAU MAX_NEW_TOKENS ABLATION PROCESS_REWARD \
-                    KEEP_SELF PROMPT DEPARTURES CANDIDATES BF16; do
+                    CRITIC_EPOCHS BPPO_EPOCHS BPPO_LR NUM_ENVS GRAD_ACCUM BC_ACCUM CRITIC_ACCUM CRITIC_TAU MAX_NEW_TOKENS VARIANT PROCESS_REWARD \
+                    KEEP_SELF PROMPT DEPARTURES CANDIDATES BF16 SEED EVAL; do
   printf '%-15s %s\n' "$v" "${!v}"; done)
 printf 'RUN            %s\n%s\n' "$RUN" "$settings"
 if [ "${DRY_RUN:-0}" = 1 ]; then
@@ -118,28 +122,55 @@ evaluate() {
 }
 
 expert=$RUN/0/expert/train.jsonl
+select+=(--seed "$SEED") bc_extra+=(--seed "$SEED") critic_flags+=(--seed "$SEED") bppo_flags+=(--seed "$SEED")
 stage "$RUN/0/expert" python collect.py "${select[@]}" --policy expert --split train "${demo_tasks[@]}" --out "$expert"
 stage "$RUN/0/bc" python bc.py --data "$expert" --model "$MODEL" --epochs "$BC_EPOCHS" --grad-accum "$BC_ACCUM" --out "$RUN/0/bc" \
   "${bc_extra[@]}"
 evaluate 0 "$RUN/0/bc"
+# sft and rft take as many optimizer steps per iteration as BPPO does on a hybrid dataset of the demonstrations
+# and SAMPLES rollouts of each training task, at BPPO's learning rate and batch: only the objective and data differ.
+bppo_steps() {
+  local n_demo=$NUM_DEMOS
+  [ -f "$expert" ] && n_demo=$(wc -l < "$expert")
+  local n_self=$(( (NUM_TASKS != 0 ? NUM_TASKS : n_demo) * SAMPLES ))
+  echo $(( (n_demo + n_self + GRAD_ACCUM - 1) / GRAD_ACCUM * BPPO_EPOCHS ))
+}
+continue_bc() {  # continue_bc DIR DATA... [--successes-only]: the policy's BC continued, into DIR
+  local dir=$1; shift
+  stage "$dir" python bc.py --init "$policy" --data "$@" --steps "$(bppo_steps)" --lr "$BPPO_LR" --schedule constant \
+    --grad-accum "$GRAD_ACCUM" --out "$dir" "${bc_extra[@]}"
+}
 policy=$RUN/0/bc selves=() rerank=()
 for it in $(seq 1 "$ITERS"); do
   d=$RUN/$it
+  [ "$EVAL" = every ] || [ "$it" = "$ITERS" ] && eval_it=1 || eval_it=0
+  if [ "$VARIANT" = sft ]; then  # more BC on the expert data: no rollouts
+    continue_bc "$d/sft" "$expert"
+    policy=$d/sft
+    [ "$eval_it" = 1 ] && evaluate "$it" "$policy"
+    continue
+  fi
   stage "$d/collect" python collect.py "${select[@]}" --policy "$policy" --split train "${train_tasks[@]}" "${rerank[@]}" \
     --samples-per-task "$SAMPLES" --num-envs "$NUM_ENVS" --max-new-tokens "$MAX_NEW_TOKENS" --temperature "$TEMPERATURE" --iteration "$it" --out "$d/collect/self.jsonl"
   # paper §1.1: this iteration's self-generated data replaces the last one's; expert data stays
   [ "$KEEP_SELF" = 1 ] && selves+=("$d/collect/self.jsonl") || selves=("$d/collect/self.jsonl")
+  if [ "$VARIANT" = rft ]; then  # BC on the expert data and the policy's own successful rollouts
+    continue_bc "$d/rft" "$expert" "${selves[@]}" --successes-only
+    policy=$d/rft
+    [ "$eval_it" = 1 ] && evaluate "$it" "$policy"
+    continue
+  fi
   stage "$d/relabel" python relabel.py "$expert" "${selves[@]}" --out "$d/relabel/hybrid.jsonl" "${relabel_flags[@]}"
   stage "$d/critic" python critic.py --data "$d/relabel/hybrid.jsonl" --policy "$policy" --out "$d/critic" \
     "${critic_flags[@]}"  # re-trained from scratch every iteration, on this iteration's data only
-  if [ "$ABLATION" = no_pi ]; then  # the agent is the BC policy with this critic's pick; it collects the next data
+  if [ "$VARIANT" = no_pi ]; then  # the agent is the BC policy with this critic's pick; it collects the next data
     rerank=(--rerank-with "$d/critic" --candidates "$CANDIDATES")
-    evaluate "$it" "$policy" "$d/critic"
+    [ "$eval_it" = 1 ] && evaluate "$it" "$policy" "$d/critic"
     continue
   fi
   stage "$d/bppo" python bppo.py --data "$d/critic/scored.jsonl" --policy "$policy" --reference "$RUN/0/bc" \
     --out "$d/bppo" "${bppo_flags[@]}"
   policy=$d/bppo  # the policy continues from the last iteration's
-  evaluate "$it" "$policy"
+  [ "$eval_it" = 1 ] && evaluate "$it" "$policy"
 done
 [ "${DRY_RUN:-0}" = 1 ] || { python tools/results.py "$RUN" "$ITERS" && python tools/stage_times.py "$RUN"; }

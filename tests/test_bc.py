@@ -51,3 +51,36 @@ def test_too_long_chat_is_an_error_not_a_cut(sciworld_expert, tmp_path):
     proc = run_script("bc.py", "--data", str(sciworld_expert), "--model", "tiny", "--out", str(tmp_path / "o"),
                       "--max-length", "64", check=False)
     assert proc.returncode == 2 and "tokens > 64 (--max-length" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_init_continues_a_policy_for_a_set_number_of_steps(sciworld_expert, tmp_path):
+    """The baselines' BC (evolve.sh's sft and rft): --init goes on from a policy's adapter, --steps counts optimizer
+    steps across epochs, --successes-only drops the failed trajectories."""
+    from safetensors.torch import load_file
+    first = tmp_path / "first"
+    run_script("bc.py", "--data", str(sciworld_expert), "--model", "tiny", "--out", str(first), "--epochs", "1",
+               "--lr", "3e-2", "--grad-accum", "1")
+    trajs = common.read_jsonl(sciworld_expert)
+    failed = [{**t, "id": t["id"] + "/failed", "success": False, "reward": 0.0} for t in trajs]
+    mixed = tmp_path / "mixed.jsonl"
+    common.write_jsonl(mixed, trajs + failed)
+
+    still = tmp_path / "still"  # learning rate 0: the adapter must come out as it went in
+    proc = run_script("bc.py", "--init", str(first), "--data", str(mixed), "--successes-only", "--steps", "5",
+                      "--grad-accum", "1", "--lr", "0", "--schedule", "constant", "--out", str(still))
+    assert f"{len(trajs)} training and 0 held-out trajectories" in proc.stdout
+    metrics = [json.loads(line) for line in (still / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5] and metrics[-1]["epoch"] == 2  # 2 a pass: 3 passes
+    assert all(m["lr"] == 0 for m in metrics)
+    before, after = (load_file(str(d / "policy" / "adapter_model.safetensors")) for d in (first, still))
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert any(k.endswith("lora_B.weight") and before[k].abs().sum() > 0 for k in before)  # trained, not a fresh B=0
+    assert common.read_meta(still, "policy")["base_model"] == "tiny"
+
+    proc = run_script("bc.py", "--init", str(first), "--data", str(tmp_path / "none.jsonl"), "--successes-only",
+                      "--out", str(tmp_path / "o"), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    common.write_jsonl(tmp_path / "none.jsonl", failed)
+    proc = run_script("bc.py", "--init", str(first), "--data", str(tmp_path / "none.jsonl"), "--successes-only",
+                      "--out", str(tmp_path / "o"), check=False)
+    assert proc.returncode == 2 and "no successful trajectory (--successes-only)" in proc.stderr

@@ -99,11 +99,40 @@ def test_departures_are_explicit_flags_on_the_cpu_and_absent_at_paper_scale(tmp_
     assert proc.returncode == 2 and "DEPARTURES: clip is none of" in proc.stderr
 
 
+def test_variants_seed_and_last_only_evaluation(tmp_path):
+    """The baselines continue BC for BPPO's number of steps at its learning rate and batch (sft on the expert data,
+    rft also on the successful rollouts); SEED reaches every stage; EVAL=last evaluates BC and the last policy."""
+    def stages(**env):
+        out = dry_run(RUN=str(tmp_path / "r"), **env)
+        return {line.split(":")[0].removeprefix("[dry]").strip().removeprefix(str(tmp_path / "r") + "/"): line
+                for line in out.splitlines() if line.startswith("[dry]")}
+
+    qevolve = stages(SEED="7")
+    random_stages = [line for stage, line in qevolve.items() if "relabel" not in stage]  # relabel.py has no randomness
+    assert len(random_stages) == 11 and all(line.endswith("--seed 7") or " --seed 7 " in line for line in random_stages)
+    assert {"0/eval", "1/eval", "2/eval"} <= set(qevolve)
+    # 18 demonstrations + 12 tasks × 2 samples = 42 trajectories: BPPO takes ceil(42 / 4) = 11 steps an iteration
+    same = "--steps 11 --lr 1e-4 --schedule constant --grad-accum 4"
+    sft = stages(VARIANT="sft", EVAL="last")
+    assert sorted(sft) == ["0/bc", "0/eval", "0/expert", "1/sft", "2/eval", "2/sft"]
+    assert f"bc.py --init {tmp_path}/r/1/sft --data {tmp_path}/r/0/expert/train.jsonl {same}" in sft["2/sft"]
+    rft = stages(VARIANT="rft")
+    assert sorted(rft) == ["0/bc", "0/eval", "0/expert", "1/collect", "1/eval", "1/rft", "2/collect", "2/eval",
+                           "2/rft"]
+    assert (f"--init {tmp_path}/r/1/rft --data {tmp_path}/r/0/expert/train.jsonl {tmp_path}/r/2/collect/self.jsonl "
+            f"--successes-only {same}") in rft["2/rft"]
+    assert f"--policy {tmp_path}/r/1/rft" in rft["2/collect"]
+    for bad, message in (({"VARIANT": "ppo"}, "VARIANT=ppo: use qevolve"), ({"EVAL": "some"}, "EVAL=some: use")):
+        proc = subprocess.run(["bash", "evolve.sh"], cwd=ROOT, env={**os.environ, "DRY_RUN": "1", **bad},
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and message in proc.stderr
+
+
 def test_smoke_loop_without_policy_improvement(tmp_path):
-    """ABLATION=no_pi (Table 3's "w/o PI"): no BPPO; the BC policy with the critic's pick of CANDIDATES sampled
+    """VARIANT=no_pi (Table 3's "w/o PI"): no BPPO; the BC policy with the critic's pick of CANDIDATES sampled
     answers per step is evaluated like every row."""
     run = tmp_path / "run"
-    proc = evolve(run, ABLATION="no_pi", ITERS="1", CANDIDATES="3")
+    proc = evolve(run, VARIANT="no_pi", ITERS="1", CANDIDATES="3")
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out
     assert not (run / "1" / "bppo").exists()

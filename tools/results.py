@@ -22,11 +22,15 @@ def load(path: Path) -> dict:
 def main(run: Path, iters: int) -> None:
     rows, train_steps = [], 0
     for it in range(iters + 1):
-        if it:  # the policy of iteration it was trained on the rollouts of iterations 1..it
-            train_steps += load(run / str(it) / "collect" / "self.summary.json")["env_steps"]
+        collected = run / str(it) / "collect" / "self.summary.json"
+        if it and (collected.exists() or not (run / str(it) / "sft").exists()):
+            # the policy of iteration it was trained on the rollouts of iterations 1..it (sft plays none)
+            train_steps += load(collected)["env_steps"]
+        if it not in (0, iters) and not (run / str(it) / "eval").exists():
+            continue  # EVAL=last: BC and the last iteration only
         seen, unseen = (load(run / str(it) / "eval" / f"{s}.summary.json") for s in ("seen", "unseen"))
         name = "BC" if it == 0 else f"Iter {it}"
-        if seen.get("rerank_with"):  # ABLATION=no_pi: the BC policy, the critic choosing among sampled answers
+        if seen.get("rerank_with"):  # VARIANT=no_pi: the BC policy, the critic choosing among sampled answers
             name += f" (BC + critic's pick of {seen['candidates']})"
         rows.append(dict(name=name, seen=seen, unseen=unseen, train_steps=train_steps))
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-KINDS = ("expert", "bc", "eval", "collect", "relabel", "critic", "bppo")
+KINDS = ("expert", "bc", "eval", "collect", "relabel", "critic", "bppo", "sft", "rft")
 
 
 def stage_seconds(run: Path) -> dict[tuple[int, str], float]:

@@ -1,0 +1,97 @@
+"""tools/study.py: the bootstrap on hand-worked cases, and the runner end to end on the tiny model (two seeds of
+Q-Evolve and RFT), resumed from its records."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "tools"))
+import study  # noqa: E402
+
+
+def test_bootstrap_on_hand_worked_cases():
+    rng = np.random.default_rng(1)
+    # One seed, episodes 0 and 1: resampled means are 0, 0.5, 1 with chances 1/4, 1/2, 1/4, so the 95 % interval
+    # runs from 0 to 1 around the mean 0.5.
+    assert study.bootstrap([np.array([0.0, 1.0])], rng=rng) == (0.5, 0.0, 1.0)
+    # Two seeds that each always score the same: only the draw of seeds varies (both 1, one each, both 0).
+    assert study.bootstrap([np.array([1.0, 1.0]), np.array([0.0, 0.0])], rng=rng) == (0.5, 0.0, 1.0)
+    # Nothing varies: no interval.
+    assert study.bootstrap([np.full(5, 3.0), np.full(7, 3.0)], rng=rng) == (3.0, 3.0, 3.0)
+    # 400 fair coin flips: the normal approximation gives 0.5 ± 1.96 · 0.5 / 20 = [0.451, 0.549].
+    mean, low, high = study.bootstrap([np.repeat([0.0, 1.0], 200)], rng=rng)
+    assert mean == 0.5 and abs(low - 0.451) < 0.006 and abs(high - 0.549) < 0.006
+    # The same 400 flips split over 4 seeds whose rates differ (0.2 ... 0.8): the seeds' spread widens the interval.
+    seeds = [np.repeat([0.0, 1.0], [100 - n, n]) for n in (20, 40, 60, 80)]
+    mean, low, high = study.bootstrap(seeds, rng=rng)
+    assert mean == 0.5 and high - low > 0.2
+
+
+def test_paired_differences_match_tasks_within_a_seed():
+    a = {1: {"t/1": {"reward": 100.0}, "t/2": {"reward": 0.0}, "t/3": {"reward": 50.0}}, 2: {"t/1": {"reward": 0.0}}}
+    b = {1: {"t/2": {"reward": 100.0}, "t/1": {"reward": 100.0}}, 2: {"t/1": {"reward": 50.0}}, 3: {}}
+    diffs = study.paired(a, b, "reward")  # t/3 has no partner; seed 3 none in a
+    assert [d.tolist() for d in diffs] == [[0.0, -100.0], [-50.0]]
+
+
+def study_cmd(tmp_path, *extra):
+    return subprocess.run([sys.executable, "tools/study.py", "--seeds", "2", "--variants", "qevolve", "rft",
+                           "--out", str(tmp_path / "out"), "--runs", str(tmp_path / "runs"), *extra],
+                          cwd=ROOT, env={**os.environ, "STUDY_SMOKE": "1"}, capture_output=True, text=True,
+                          timeout=1500)
+
+
+def test_study_runs_seeds_and_variants_shares_bc_and_resumes_from_its_records(tmp_path):
+    proc = study_cmd(tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    for seed in (1, 2):
+        # one BC per seed: rft's demonstrations, BC, its evaluation and iteration 1's rollouts (of BC, as Q-Evolve's)
+        # are Q-Evolve's, linked; its own BC on expert data and successful rollouts is not
+        rft = runs / f"rft-seed{seed}"
+        assert all((rft / stage).is_symlink() for stage in ("0/expert", "0/bc", "0/eval", "1/collect"))
+        assert (rft / "0" / "bc").resolve() == (runs / f"qevolve-seed{seed}" / "0" / "bc").resolve()
+        assert not (rft / "1" / "rft").is_symlink() and (rft / "1" / "rft" / ".done").exists()
+        rft_args = json.loads((rft / "1" / "rft" / "args.json").read_text())
+        assert rft_args["successes_only"] and rft_args["init"] == str(rft / "0" / "bc")
+        assert rft_args["data"] == [str(rft / "0/expert/train.jsonl"), str(rft / "1/collect/self.jsonl")]
+        bc_args = json.loads((runs / f"qevolve-seed{seed}" / "0" / "bc" / "args.json").read_text())
+        assert bc_args["seed"] == seed  # the seed reaches BC (its data order and LoRA init)
+        for variant in ("qevolve", "rft"):
+            rec = json.loads((out / "records" / f"{variant}-seed{seed}.json").read_text())
+            assert rec["seed"] == seed and f"SEED            {seed}" in rec["settings"]
+            assert [p["iteration"] for p in rec["policies"]] == [0, 1]
+            # the record holds every evaluated episode, as the evaluation files do
+            for policy in rec["policies"]:
+                for split in ("seen", "unseen"):
+                    lines = (runs / f"{variant}-seed{seed}" / str(policy["iteration"]) / "eval" / f"{split}.jsonl")
+                    trajs = [json.loads(line) for line in lines.read_text().splitlines()]
+                    assert len(policy[split]) == len(trajs) == 2
+                    for t in trajs:
+                        got = policy[split][f"{t['task']}/{t['variation']}"]
+                        assert got["reward"] == 100 * t["reward"] and got["success"] == 100 * t["success"]
+            assert rec["policies"][1]["train_env_steps"] > 0
+        assert json.loads((out / "records" / f"rft-seed{seed}.json").read_text())["shared_stages"] == [
+            "0/expert", "0/bc", "0/eval", "1/collect"]
+    table = (out / "results.md").read_text()
+    for row in ("| BC | 2 |", "| Q-Evolve, iter 1 | 2 |", "| RFT (BC on own successes) | 2 |", "| Q-Evolve minus |"):
+        assert row in table
+    assert (out / "results.png").read_bytes()[:4] == b"\x89PNG"
+
+    # A rerun (here without the runs: another machine) finds every run in the records and runs nothing.
+    import shutil
+    shutil.rmtree(runs)
+    proc = study_cmd(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count(": recorded in ") == 4 and "running" not in proc.stdout and not runs.exists()
+    assert (out / "results.md").read_text() == table
+
+
+def test_report_only_with_no_records_is_a_clear_error(tmp_path):
+    proc = study_cmd(tmp_path, "--report-only")
+    assert proc.returncode != 0 and "no records in" in proc.stderr and "Traceback" not in proc.stderr
