@@ -97,6 +97,11 @@ class Args:
     gradient steps left them"""
     refit_ridge: float = 0.1
     """ridge λ of those least-squares solves, on standardised features"""
+    clip_values: bool = False
+    """keep V and Q within the training data's discounted returns wherever a value is bootstrapped from or read
+    (the targets of eqs. 2 and 5, the exact fit, the process rewards): a departure. Without it a looping episode
+    that the step cap cut, whose states look alike, bootstraps from itself: V reached 8 where no return exceeds 1,
+    and BPPO learned that episode's premature `focus on`"""
     seed: int = 1
     threads: int | None = None
 
@@ -195,6 +200,17 @@ def step_weights(traj: dict, args: Args) -> torch.Tensor:
     return iql_weights(T, succeeded(traj, args), not args.no_temporal_weight, not args.no_success_weight)
 
 
+def return_range(trajs: list[dict], gamma: float) -> tuple[float, float]:
+    """The smallest and largest discounted return-to-go of r_env + r_aux over every step of trajs (a cut episode's
+    counted as if it had ended there): the values V and Q can take on this data, for --clip-values."""
+    returns = torch.cat([gae(critic_rewards(t), torch.zeros(len(t["steps"]) + 1), gamma, 1.0) for t in trajs])
+    return float(returns.min()), float(returns.max())
+
+
+def clip(x: torch.Tensor, bounds: tuple[float, float] | None) -> torch.Tensor:
+    return x if bounds is None else x.clamp(*bounds)
+
+
 def next_values(traj: dict, V: torch.Tensor, args: Args) -> torch.Tensor:
     """V_{t+1} for every step t. After the last step: 0 when the task ended; for a cut episode, V of the last
     state the chat holds (the state after the last step; the state before it when that did not fit)."""
@@ -202,17 +218,19 @@ def next_values(traj: dict, V: torch.Tensor, args: Args) -> torch.Tensor:
     return torch.cat([V[1:T], V[-1:] if cut else V.new_zeros(1)])
 
 
-def iql_loss(traj: dict, V, Q, Q_target, args: Args) -> tuple[torch.Tensor, dict]:
-    """Eqs. 1, 2, 5 for one trajectory, summed over its steps; V may hold one more state than there are steps."""
+def iql_loss(traj: dict, V, Q, Q_target, args: Args, bounds: tuple[float, float] | None = None):
+    """Eqs. 1, 2, 5 for one trajectory, summed over its steps; V may hold one more state than there are steps.
+    bounds (--clip-values): the targets' values kept within the data's returns."""
     r = critic_rewards(traj).to(V.device)
     w = step_weights(traj, args).to(V.device)
-    loss_q = (w * (r + args.gamma * next_values(traj, V.detach(), args) - Q) ** 2).sum()
-    loss_v = (w * expectile_loss(Q_target.detach() - V[:len(Q)], args.expectile)).sum()
+    loss_q = (w * (r + args.gamma * clip(next_values(traj, V.detach(), args), bounds) - Q) ** 2).sum()
+    loss_v = (w * expectile_loss(clip(Q_target.detach(), bounds) - V[:len(Q)], args.expectile)).sum()
     return loss_q + loss_v, {"loss_q": loss_q.item(), "loss_v": loss_v.item()}
 
 
 @torch.no_grad()
-def fit_heads(heads: Heads, feats: list[tuple[torch.Tensor, torch.Tensor]], trajs: list[dict], args: Args) -> dict:
+def fit_heads(heads: Heads, feats: list[tuple[torch.Tensor, torch.Tensor]], trajs: list[dict], args: Args,
+              bounds: tuple[float, float] | None = None) -> dict:
     """Fitted IQL for the heads on fixed features: eqs. 1, 2, 4, 5, each loss minimised exactly in turn.
 
     Each round regresses Q on r_t + γ V_{t+1} (weighted least squares), then V on Q by iteratively reweighted
@@ -221,7 +239,8 @@ def fit_heads(heads: Heads, feats: list[tuple[torch.Tensor, torch.Tensor]], traj
     (SmolLM2 has a dimension of mean 42.5, while the directions that tell one task's first state from another's
     vary by ~0.15), and Adam on the heads alone was still at a V_0 AUC of 0.72 after 5000 full-batch updates
     where the exact solution reaches 0.80 (README, Critic). The solves run in float64 on standardised features
-    with a ridge penalty λ on every weight but the bias, and are folded back into the two linear heads."""
+    with a ridge penalty λ on every weight but the bias, and are folded back into the two linear heads. With
+    bounds (--clip-values) the values each round bootstraps from are kept within the data's returns."""
     hv = torch.cat([v for v, _ in feats]).double().cpu()  # every state, incl. the state after a cut episode
     hq = torch.cat([q for _, q in feats]).double().cpu()
     r = torch.cat([critic_rewards(t) for t in trajs]).double()
@@ -254,9 +273,9 @@ def fit_heads(heads: Heads, feats: list[tuple[torch.Tensor, torch.Tensor]], traj
     bv = from_head(heads.v)
     for _ in range(args.refit_rounds):
         v_prev = x_all @ bv
-        target = r + args.gamma * live * v_prev[nxt]
+        target = r + args.gamma * live * clip(v_prev[nxt], bounds)
         bq = solve(xq, target, w)
-        q = xq @ bq
+        q = clip(xq @ bq, bounds)
         for _ in range(10):
             bv = solve(xv, q, w * torch.abs(args.expectile - (q - xv @ bv < 0).double()))
     for layer, b in ((heads.v, bv), (heads.q, bq), (heads.q_target, bq)):
@@ -387,6 +406,9 @@ def main() -> None:
     rng.shuffle(order)
     n_held = round(args.heldout_frac * len(trajs)) if len(trajs) >= 10 else 0
     held, train = set(order[:n_held]), order[n_held:]
+    bounds = return_range([trajs[j] for j in train], args.gamma) if args.clip_values else None
+    if bounds:
+        print(f"V and Q kept within the training data's returns [{bounds[0]:.3f}, {bounds[1]:.3f}] (--clip-values)")
 
     from peft import get_peft_model
     base, tok = common.load_base(base_model, args.load_in_4bit, args.grad_ckpt)
@@ -425,7 +447,7 @@ def main() -> None:
             logs = defaultdict(float)
             for j in group:
                 V, Q, Q_target = values(model, heads, *encoded[j], args.bf16)
-                loss, parts = iql_loss(trajs[j], V, Q, Q_target, args)
+                loss, parts = iql_loss(trajs[j], V, Q, Q_target, args, bounds)
                 (loss / n_trans).backward()  # mean over the step's transitions
                 for k, v in parts.items():
                     logs[k] += v / n_trans
@@ -451,7 +473,7 @@ def main() -> None:
         feats = [features(model, *e, args.bf16) for e in tqdm(encoded, desc="features", unit="traj")]
     refit = {}
     if args.refit_rounds:
-        refit = fit_heads(heads, [feats[j] for j in train], [trajs[j] for j in train], args)
+        refit = fit_heads(heads, [feats[j] for j in train], [trajs[j] for j in train], args, bounds)
         print(f"heads fitted exactly on the critic's features ({args.refit_rounds} rounds of fitted IQL): loss_q "
               f"{refit['loss_q']:.4f}, loss_v {refit['loss_v']:.4f}, the last round moved V by at most "
               f"{refit['last_round_change']:.2g}")
@@ -466,7 +488,7 @@ def main() -> None:
     seen = {"train": [], "heldout": []}  # value_records
     with torch.no_grad():
         for k, traj in enumerate(trajs):
-            V, Q, _ = (x.cpu() for x in heads(*feats[k]))
+            V, Q, _ = (clip(x.cpu(), bounds) for x in heads(*feats[k]))
             adv = process_rewards(traj, V, Q, args)
             V = V[:len(traj["steps"])]
             steps = [{**s, "value": float(V[t]), "advantage": float(adv[t])} for t, s in enumerate(traj["steps"])]
@@ -484,7 +506,8 @@ def main() -> None:
     for (env, source), g in sorted(v0.items()):
         print(f"{env:<10} {source:<7} {mean(g['success']):>12.3f} {mean(g['failure']):>12.3f} "
               f"{len(g['success']) + len(g['failure']):>6}")
-    report = {"process_reward": args.process_reward, **{f"refit_{k}": v for k, v in refit.items()}}
+    report = {"process_reward": args.process_reward, **{f"refit_{k}": v for k, v in refit.items()},
+              "value_bounds": bounds}
     for part, rows in seen.items():
         figures = value_report(rows)
         report |= {part: len(rows), f"{part}_successes": figures["successes"],

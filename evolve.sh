@@ -53,8 +53,9 @@ bc_extra=() critic_extra=() bppo_extra=()
 # paper"); PRESET=7b runs none of them (DEPARTURES=none). exact_fit: the critic's heads re-solved by least squares after training;
 # heldout: 10% of the demonstrations kept out of BC and of the hybrid data kept out of critic training, for
 # their diagnostics; adv_norm: advantages
-# standardised per optimizer batch; grad_clip: gradient norms clipped at 1 in the critic and BPPO.
-: "${DEPARTURES=exact_fit heldout adv_norm grad_clip}"
+# standardised per optimizer batch; grad_clip: gradient norms clipped at 1 in the critic and BPPO; value_clip: V and Q
+# kept within the data's returns where the critic bootstraps from them and where the process rewards read them.
+: "${DEPARTURES=exact_fit heldout grad_clip value_clip}"
 for departure in $DEPARTURES; do
   case "$departure" in
     none) ;;
@@ -62,7 +63,8 @@ for departure in $DEPARTURES; do
     heldout) bc_extra+=(--eval-frac 0.1) critic_extra+=(--heldout-frac 0.1) ;;
     adv_norm) bppo_extra+=(--normalize-adv) ;;
     grad_clip) critic_extra+=(--max-grad-norm 1.0) bppo_extra+=(--max-grad-norm 1.0) ;;
-    *) echo "DEPARTURES: $departure is none of exact_fit heldout adv_norm grad_clip (or none)" >&2; exit 2 ;;
+    value_clip) critic_extra+=(--clip-values) ;;
+    *) echo "DEPARTURES: $departure is none of exact_fit heldout adv_norm grad_clip value_clip (or none)" >&2; exit 2 ;;
   esac
 done
 

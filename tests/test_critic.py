@@ -107,6 +107,36 @@ def test_fit_heads_bootstraps_a_cut_episode():
             assert heads.v(e[1]).item() == pytest.approx(1.0, abs=1e-5)  # V(s1) = Q(s1,b) = 1 either way
 
 
+def test_clip_values_keeps_a_looping_cut_episode_within_the_data_returns():
+    # A loop: three steps in one state s (the same features), each r_aux = −0.2, cut by the step cap, so Q(s, loop)
+    # bootstraps from V(s) itself: fitted IQL walks towards −0.2 / (1 − 0.99) = −20, far below any return in the
+    # data. The returns: the loop's −0.2 · (1 + 0.99 + 0.99²) = −0.59402 at its start, and a won episode's 1.
+    e = torch.eye(4)
+    loop = {"reward": 0.0, "success": False, "truncated": True,
+            "steps": [{"env_reward": 0.0, "aux_reward": -0.2}] * 3}
+    won = {"reward": 1.0, "success": True, "steps": [{"env_reward": 1.0, "aux_reward": 0.0}]}
+    low = -0.2 * (1 + 0.99 + 0.99 ** 2)
+    assert critic.return_range([loop, won], 0.99) == pytest.approx((low, 1.0))
+    feats = [(e[[0, 0, 0, 0]], e[[1, 1, 1]]), (e[[2]], e[[3]])]  # the loop's chat also holds the state after it
+    args = critic.Args(data="-", policy="-", refit_ridge=1e-9, refit_rounds=20)
+    for bounds in (None, critic.return_range([loop, won], 0.99)):
+        heads = critic.Heads(4)
+        critic.fit_heads(heads, feats, [loop, won], args, bounds)
+        with torch.no_grad():
+            v_loop, v_won = heads.v(e[0]).item(), heads.v(e[2]).item()
+        assert v_won == pytest.approx(1.0, abs=1e-5)
+        if bounds is None:  # 20 rounds: −0.2 · (1 − 0.99^20) / 0.01 = −3.64
+            assert v_loop == pytest.approx(-0.2 * (1 - 0.99 ** 20) / 0.01, abs=1e-3)
+        else:  # Q's target −0.2 + 0.99 · V(s) is clipped at the lowest return, and V(s) with it
+            assert v_loop == pytest.approx(low, abs=1e-5)
+    # the gradient loss reads the same clipped values: Q's target −0.2 + 0.99 · clip(−5), V's target clip(Q̄ = 3)
+    V, Q, Qt = torch.tensor([-5.0, -5.0, -5.0, -5.0]), torch.zeros(3), torch.full((3,), 3.0)
+    _, parts = critic.iql_loss(loop, V, Q, Qt, args, (low, 1.0))
+    w = critic.step_weights(loop, args)
+    assert parts["loss_q"] == pytest.approx(float(w.sum()) * (-0.2 + 0.99 * low) ** 2)
+    assert parts["loss_v"] == pytest.approx(float(w.sum()) * 0.7 * (1.0 + 5.0) ** 2)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return common.load_base("tiny")

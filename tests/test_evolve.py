@@ -75,17 +75,19 @@ def dry_run(**env) -> str:
     return proc.stdout
 
 
-DEPARTURE_FLAGS = ("--refit-rounds", "--heldout-frac", "--eval-frac", "--normalize-adv", "--max-grad-norm")
+DEPARTURE_FLAGS = ("--refit-rounds", "--heldout-frac", "--eval-frac", "--normalize-adv", "--max-grad-norm", "--clip-values")
 
 
 def test_departures_are_explicit_flags_on_the_cpu_and_absent_at_paper_scale(tmp_path):
     """Every departure from the paper reaches a stage only as a flag on its command line: the CPU default names
     each one, DEPARTURES=none and PRESET=7b none of them (the stages' own defaults are the paper's)."""
     cpu = dry_run(RUN=str(tmp_path / "cpu"))
-    assert "DEPARTURES      exact_fit heldout adv_norm grad_clip" in cpu
+    assert "DEPARTURES      exact_fit heldout grad_clip value_clip" in cpu
     commands = {line.split(":")[0].split("/")[-1]: line for line in cpu.splitlines() if "/1/" in line}
-    assert "--refit-rounds 20 --heldout-frac 0.1 --max-grad-norm 1.0" in commands["critic"]
-    assert "--normalize-adv --max-grad-norm 1.0" in commands["bppo"]
+    assert "--refit-rounds 20 --heldout-frac 0.1 --max-grad-norm 1.0 --clip-values" in commands["critic"]
+    assert "--max-grad-norm 1.0" in commands["bppo"] and "--normalize-adv" not in commands["bppo"]
+    with_norm = dry_run(RUN=str(tmp_path / "n"), DEPARTURES="adv_norm")  # measured harmful, off by default
+    assert "--normalize-adv" in next(line for line in with_norm.splitlines() if "/1/bppo" in line)
     assert "--eval-frac 0.1" in next(line for line in cpu.splitlines() if "/0/bc" in line)
     assert not (tmp_path / "cpu").exists()  # a dry run writes nothing
     for paper in (dry_run(RUN=str(tmp_path / "p"), DEPARTURES="none"),

@@ -39,6 +39,16 @@ def test_paired_differences_match_tasks_within_a_seed():
     assert [d.tolist() for d in diffs] == [[0.0, -100.0], [-50.0]]
 
 
+def test_a_record_matches_its_settings_and_those_added_since_at_their_default():
+    recorded = "ENV             sciworld\nTASKS           a b\nSEED            1"
+    assert study.same_settings(recorded, recorded, {"SEED": "1"})
+    assert not study.same_settings(recorded, recorded.replace("SEED            1", "SEED            2"), {})
+    assert not study.same_settings(recorded, recorded.replace("a b", "a"), {})
+    grown = recorded + "\nTRACK           0"  # a setting evolve.sh gained later, left at its default
+    assert study.same_settings(recorded, grown, {"SEED": "1"})
+    assert not study.same_settings(recorded, grown, {"SEED": "1", "TRACK": "0"})  # the study sets it: not recorded
+
+
 def study_cmd(tmp_path, *extra):
     return subprocess.run([sys.executable, "tools/study.py", "--seeds", "2", "--variants", "qevolve", "rft",
                            "--out", str(tmp_path / "out"), "--runs", str(tmp_path / "runs"), *extra],

@@ -5,6 +5,8 @@ greedily on every seen and unseen task, reported as mean ± 95 % bootstrap inter
     python tools/study.py --seeds 1 --variants qevolve rft
     python tools/study.py --report-only            # the table and plot from the records alone
     STUDY_SMOKE=1 python tools/study.py --out /tmp/study   # the tiny model, two seeds of two variants, minutes
+    python tools/study.py --variants qevolve --set BPPO_LR=5e-5 --runs runs/study-lr --out docs/study-lr \
+        --share-with runs/study                    # another setting, reusing the default study's BC
 
 Each run is `VARIANT=<v> SEED=<k> bash evolve.sh` with NUM_EVAL=0 (every task of the families) under
 runs/study/<v>-seed<k>/. Runs of one seed share the stages whose commands are the same as Q-Evolve's (its BC, BC's
@@ -59,6 +61,9 @@ class Args:
     """results.md, results.png and records/ (one small JSON per finished run, kept in the repository)"""
     runs: str = "runs/study"
     """the runs' folders (checkpoints, rollouts); may be deleted once recorded"""
+    share_with: str | None = None
+    """the runs folder of another study whose Q-Evolve runs this one may also share stages with (besides its own);
+    e.g. a study of other BPPO settings reuses the default study's BC"""
     set: tuple[str, ...] = ()
     """extra evolve.sh settings for every run, KEY=VALUE (part of the runs' settings, so of their records)"""
     report_only: bool = False
@@ -136,27 +141,38 @@ def dry_run(env: dict[str, str]) -> tuple[str, list[tuple[str, str]]]:
     return settings, stages
 
 
-def link_shared(env: dict[str, str], base_env: dict[str, str]) -> list[str]:
-    """Link the run's first stages to the base run's (same seed, Q-Evolve) while their commands are the same and
-    the base's are finished: the same command on the same inputs makes the same output."""
+def link_shared(env: dict[str, str], bases: list[Path]) -> tuple[Path | None, list[str]]:
+    """Link the run's first stages to those of a base run (Q-Evolve of the same seed) while their commands are the
+    same and the base's are finished: the same command on the same inputs makes the same output. Of several
+    bases, the one that shares the most. A base's commands are remade from its settings.txt (every setting)."""
+    run = Path(env["RUN"])
     _, stages = dry_run(env)
-    _, base_stages = dry_run(base_env)
-    run, base = Path(env["RUN"]), Path(base_env["RUN"])
-    shared = []
-    for (folder, command), (base_folder, base_command) in zip(stages, base_stages):
-        if (folder, command) != (base_folder, base_command):
-            break
-        rel = folder.removeprefix("RUN/")
-        target, link = base / rel, run / rel
-        if not (target / ".done").exists():
-            break
+    best, best_stages = None, []
+    for base in bases:
+        if not (base / "settings.txt").exists() or base.resolve() == run.resolve():
+            continue
+        _, base_stages = dry_run({**parse_settings((base / "settings.txt").read_text()), "RUN": str(base)})
+        same = []
+        for (folder, command), base_stage in zip(stages, base_stages):
+            rel = folder.removeprefix("RUN/")
+            own = run / rel
+            if (folder, command) != base_stage or not (base / rel / ".done").exists() or \
+                    (own.exists() and not own.is_symlink()):  # run here before: its own, not shared
+                break
+            same.append(rel)
+        if len(same) > len(best_stages):
+            best, best_stages = base, same
+    for rel in best_stages:
+        link = run / rel
         if not link.exists():
             link.parent.mkdir(parents=True, exist_ok=True)
-            link.symlink_to(os.path.relpath(target.resolve(), link.parent.resolve()), target_is_directory=True)
-        if not link.is_symlink():  # run here before (the base's was not finished then): its own, not shared
-            break
-        shared.append(rel)
-    return shared
+            link.symlink_to(os.path.relpath((best / rel).resolve(), link.parent.resolve()), target_is_directory=True)
+    return best, best_stages
+
+
+def parse_settings(text: str) -> dict[str, str]:
+    """settings.txt's lines ("NAME   value") as a dict; a value may be empty or hold spaces."""
+    return dict((line.split(None, 1) + [""])[:2] for line in text.splitlines() if line.strip())
 
 
 def read_outcomes(path: Path) -> dict[str, dict]:
@@ -196,12 +212,12 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores"
 
 
-def run_one(variant: str, seed: int, env: dict, base_env: dict | None, settings: str) -> dict:
+def run_one(variant: str, seed: int, env: dict, bases: list[Path], settings: str) -> dict:
     run = Path(env["RUN"])
     run.mkdir(parents=True, exist_ok=True)
-    shared = link_shared(env, base_env) if base_env else []
+    base, shared = link_shared(env, bases)
     if shared:
-        print(f"  shares with {base_env['RUN']}: {', '.join(shared)}", flush=True)
+        print(f"  shares with {base}: {', '.join(shared)}", flush=True)
     start = time.time()
     with open(run / "evolve.log", "a") as log:  # the stages' own output; the stage lines also go to the screen
         proc = subprocess.Popen(["bash", "evolve.sh"], cwd=ROOT, env={**os.environ, **env}, text=True,
@@ -210,11 +226,19 @@ def run_one(variant: str, seed: int, env: dict, base_env: dict | None, settings:
             log.write(line)
             log.flush()
             if line.startswith(("[run]", "[done]")):
-                print(f"  {time.strftime('%H:%M')} {line.split(':')[0]}", flush=True)
+                print(f"  {time.strftime('%H:%M')} {line.split(':')[0].strip()}", flush=True)
         if proc.wait() != 0:
             sys.exit(f"{variant} seed {seed} failed (exit {proc.returncode}); see {run / 'evolve.log'}. "
                      "Run the study again to resume it.")
     return make_record(variant, seed, env, settings, shared, (time.time() - start) / 60)
+
+
+def same_settings(recorded: str, current: str, env: dict[str, str]) -> bool:
+    """Whether a record holds the run these settings would make. A setting evolve.sh gained after the record was
+    written counts as at its default (a new setting must keep the old behaviour by default), unless the study
+    sets it."""
+    old, new = parse_settings(recorded), parse_settings(current)
+    return all(new.get(k) == v for k, v in old.items()) and not any(k in env for k in new.keys() - old.keys())
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -358,7 +382,7 @@ def main() -> None:
         path = records_dir / f"{variant}-seed{seed}.json"
         if path.exists():
             rec = json.loads(path.read_text())
-            if rec["settings"] == settings:
+            if same_settings(rec["settings"], settings, env):
                 print(f"[study {n}/{len(plan)}] {variant} seed {seed}: recorded in {path}")
                 records[variant, seed] = rec
                 continue
@@ -367,8 +391,8 @@ def main() -> None:
             continue
         print(f"[study {n}/{len(plan)}] {variant} seed {seed}: running in {env['RUN']} "
               f"(log: {env['RUN']}/evolve.log)", flush=True)
-        base = run_env("qevolve", seed, args) if variant != "qevolve" else None
-        rec = run_one(variant, seed, env, base, settings)
+        bases = [Path(d).resolve() / f"qevolve-seed{seed}" for d in (args.runs, args.share_with) if d]
+        rec = run_one(variant, seed, env, bases, settings)
         write_atomic(path, json.dumps(rec, indent=1) + "\n")
         records[variant, seed] = rec
         print(f"[study {n}/{len(plan)}] {variant} seed {seed}: done in {rec['minutes']:.0f} min, recorded in {path}",
