@@ -101,6 +101,11 @@ def test_study_runs_seeds_and_variants_shares_bc_and_resumes_from_its_records(tm
     assert proc.stdout.count(": recorded in ") == 4 and "running" not in proc.stdout and not runs.exists()
     assert (out / "results.md").read_text() == table
 
+    # A study of other settings must not overwrite these records: it stops, naming what differs.
+    proc = study_cmd(tmp_path, "--set", "BPPO_LR=5e-5")
+    assert proc.returncode != 0 and "records a run with other settings" in proc.stderr
+    assert "BPPO_LR '1e-4' → '5e-5'" in proc.stderr and "Traceback" not in proc.stderr
+
 
 def test_report_only_with_no_records_is_a_clear_error(tmp_path):
     proc = study_cmd(tmp_path, "--report-only")

@@ -143,7 +143,8 @@ def dry_run(env: dict[str, str]) -> tuple[str, list[tuple[str, str]]]:
 
 def link_shared(env: dict[str, str], bases: list[Path]) -> tuple[Path | None, list[str]]:
     """Link the run's first stages to those of a base run (Q-Evolve of the same seed) while their commands are the
-    same and the base's are finished: the same command on the same inputs makes the same output. Of several
+    same and the base's are finished: the same command on the same inputs makes the same output (up to
+    ScienceWorld's unseeded randomness: one draw of the same distribution, which is all a seed is). Of several
     bases, the one that shares the most. A base's commands are remade from its settings.txt (every setting)."""
     run = Path(env["RUN"])
     _, stages = dry_run(env)
@@ -239,6 +240,12 @@ def same_settings(recorded: str, current: str, env: dict[str, str]) -> bool:
     sets it."""
     old, new = parse_settings(recorded), parse_settings(current)
     return all(new.get(k) == v for k, v in old.items()) and not any(k in env for k in new.keys() - old.keys())
+
+
+def changed_settings(recorded: str, current: str) -> list[str]:
+    old, new = parse_settings(recorded), parse_settings(current)
+    return [f"{k} {old.get(k, '(none)')!r} → {new.get(k, '(none)')!r}" for k in sorted(old.keys() | new.keys())
+            if old.get(k) != new.get(k)]
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -386,7 +393,8 @@ def main() -> None:
                 print(f"[study {n}/{len(plan)}] {variant} seed {seed}: recorded in {path}")
                 records[variant, seed] = rec
                 continue
-            print(f"[study {n}/{len(plan)}] {variant} seed {seed}: {path} has other settings; running it again")
+            sys.exit(f"{path} records a run with other settings than this study's ({', '.join(changed_settings(rec['settings'], settings))}): "
+                     "give another study its own --out and --runs, or delete the record to run it again")
         if args.report_only:
             continue
         print(f"[study {n}/{len(plan)}] {variant} seed {seed}: running in {env['RUN']} "
