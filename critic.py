@@ -200,10 +200,16 @@ def step_weights(traj: dict, args: Args) -> torch.Tensor:
     return iql_weights(T, succeeded(traj, args), not args.no_temporal_weight, not args.no_success_weight)
 
 
+def returns_to_go(traj: dict, gamma: float) -> torch.Tensor:
+    """The discounted return-to-go of r_env + r_aux at every step (what V regresses on; GAE with V = 0, λ = 1),
+    a cut episode's counted as if it had ended there."""
+    return gae(critic_rewards(traj), torch.zeros(len(traj["steps"]) + 1), gamma, 1.0)
+
+
 def return_range(trajs: list[dict], gamma: float) -> tuple[float, float]:
-    """The smallest and largest discounted return-to-go of r_env + r_aux over every step of trajs (a cut episode's
-    counted as if it had ended there): the values V and Q can take on this data, for --clip-values."""
-    returns = torch.cat([gae(critic_rewards(t), torch.zeros(len(t["steps"]) + 1), gamma, 1.0) for t in trajs])
+    """The smallest and largest return-to-go over every step of trajs: the values V and Q can take on this data,
+    for --clip-values."""
+    returns = torch.cat([returns_to_go(t, gamma) for t in trajs])
     return float(returns.min()), float(returns.max())
 
 
@@ -332,9 +338,8 @@ def first_state_ceiling(tasks: list, success: list[bool]) -> float:
 def value_record(traj: dict, V: torch.Tensor, gamma: float) -> tuple:
     """What value_report needs of one trajectory, V given for its steps: task, success, V_0, mean V, and V and
     the discounted return-to-go of r_env + r_aux (what V regresses on; GAE with V = 0, λ = 1) at every step."""
-    r = critic_rewards(traj)
     return ((traj["env"], traj["task"], traj["variation"]), traj["success"], float(V[0]), float(V.mean()),
-            V.tolist(), gae(r, torch.zeros(len(r) + 1), gamma, 1.0).tolist())
+            V.tolist(), returns_to_go(traj, gamma).tolist())
 
 
 def value_report(records: list[tuple]) -> dict:

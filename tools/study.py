@@ -141,13 +141,12 @@ def dry_run(env: dict[str, str]) -> tuple[str, list[tuple[str, str]]]:
     return settings, stages
 
 
-def link_shared(env: dict[str, str], bases: list[Path]) -> tuple[Path | None, list[str]]:
+def link_shared(env: dict[str, str], stages: list[tuple[str, str]], bases: list[Path]) -> tuple[Path | None, list[str]]:
     """Link the run's first stages to those of a base run (Q-Evolve of the same seed) while their commands are the
     same and the base's are finished: the same command on the same inputs makes the same output (up to
     ScienceWorld's unseeded randomness: one draw of the same distribution, which is all a seed is). Of several
     bases, the one that shares the most. A base's commands are remade from its settings.txt (every setting)."""
     run = Path(env["RUN"])
-    _, stages = dry_run(env)
     best, best_stages = None, []
     for base in bases:
         if not (base / "settings.txt").exists() or base.resolve() == run.resolve():
@@ -188,7 +187,7 @@ def read_outcomes(path: Path) -> dict[str, dict]:
 
 def make_record(variant: str, seed: int, env: dict, settings: str, shared: list[str], minutes: float) -> dict:
     run = Path(env["RUN"])
-    iters = int(next(line.split()[1] for line in settings.splitlines() if line.startswith("ITERS ")))
+    iters = int(parse_settings(settings)["ITERS"])
     policies, train_steps = [], 0
     for it in range(iters + 1):
         collected = run / str(it) / "collect" / "self.summary.json"
@@ -213,10 +212,10 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores"
 
 
-def run_one(variant: str, seed: int, env: dict, bases: list[Path], settings: str) -> dict:
+def run_one(variant: str, seed: int, env: dict, bases: list[Path], settings: str, stages: list) -> dict:
     run = Path(env["RUN"])
     run.mkdir(parents=True, exist_ok=True)
-    base, shared = link_shared(env, bases)
+    base, shared = link_shared(env, stages, bases)
     if shared:
         print(f"  shares with {base}: {', '.join(shared)}", flush=True)
     start = time.time()
@@ -385,7 +384,7 @@ def main() -> None:
     records = {}
     for n, (variant, seed) in enumerate(plan, 1):
         env = run_env(variant, seed, args)
-        settings, _ = dry_run(env)
+        settings, stages = dry_run(env)
         path = records_dir / f"{variant}-seed{seed}.json"
         if path.exists():
             rec = json.loads(path.read_text())
@@ -393,14 +392,15 @@ def main() -> None:
                 print(f"[study {n}/{len(plan)}] {variant} seed {seed}: recorded in {path}")
                 records[variant, seed] = rec
                 continue
-            sys.exit(f"{path} records a run with other settings than this study's ({', '.join(changed_settings(rec['settings'], settings))}): "
+            changed = ", ".join(changed_settings(rec["settings"], settings))
+            sys.exit(f"{path} records a run with other settings than this study's ({changed}): "
                      "give another study its own --out and --runs, or delete the record to run it again")
         if args.report_only:
             continue
         print(f"[study {n}/{len(plan)}] {variant} seed {seed}: running in {env['RUN']} "
               f"(log: {env['RUN']}/evolve.log)", flush=True)
         bases = [Path(d).resolve() / f"qevolve-seed{seed}" for d in (args.runs, args.share_with) if d]
-        rec = run_one(variant, seed, env, bases, settings)
+        rec = run_one(variant, seed, env, bases, settings, stages)
         write_atomic(path, json.dumps(rec, indent=1) + "\n")
         records[variant, seed] = rec
         print(f"[study {n}/{len(plan)}] {variant} seed {seed}: done in {rec['minutes']:.0f} min, recorded in {path}",
