@@ -140,7 +140,7 @@ class Heads(torch.nn.Module):
 
     They start at zero, so V = Q = 0 before training: a default-initialised linear layer on a last hidden state
     of norm ~56 (SmolLM2) starts at about ±1.4, beyond the returns' range, and a short run spends its updates
-    undoing that offset (see README, Critic)."""
+    undoing that offset (see docs/critic.md)."""
 
     def __init__(self, hidden: int):
         super().__init__()
@@ -244,7 +244,7 @@ def fit_heads(heads: Heads, feats: list[tuple[torch.Tensor, torch.Tensor]], traj
     already fixed. Why not more gradient steps: on the last hidden state this is an ill-conditioned regression
     (SmolLM2 has a dimension of mean 42.5, while the directions that tell one task's first state from another's
     vary by ~0.15), and Adam on the heads alone was still at a V_0 AUC of 0.72 after 5000 full-batch updates
-    where the exact solution reaches 0.80 (README, Critic). The solves run in float64 on standardised features
+    where the exact solution reaches 0.80 (docs/critic.md). The solves run in float64 on standardised features
     with a ridge penalty λ on every weight but the bias, and are folded back into the two linear heads. With
     bounds (--clip-values) the values each round bootstraps from are kept within the data's returns."""
     hv = torch.cat([v for v, _ in feats]).double().cpu()  # every state, incl. the state after a cut episode
@@ -439,7 +439,7 @@ def main() -> None:
     reach = 1 - (1 - args.tau) ** n_steps  # IQL's 0.005 assumes ~10^6 steps; a few dozen leave Q̄ near its init
     if reach < 0.8:
         print(f"note: --tau {args.tau} over {n_steps} steps moves the target Q head only {reach:.0%} of the way "
-              f"to Q, and V (eq. 4) learns from Q̄; --tau {min(1.0, 2 / n_steps):.2g} would reach at least 86%")
+              f"to Q, and V (eq. 1) learns from Q̄; --tau {min(1.0, 2 / n_steps):.2g} would reach at least 86%")
     model.train()  # gradient checkpointing is only active in train mode (dropout is 0 in the critic)
     bar = tqdm(total=n_steps, initial=step, desc="critic", unit="step")
     transitions, t0 = 0, time.time()

@@ -36,7 +36,7 @@ case "$PROMPT" in short) ;; eto) : "${MAX_STEPS=}" ;; *) echo "PROMPT=$PROMPT: u
 # 0.005 assumes ~10^6 steps: it would leave Q̄ near its random init). An answer is cut at MAX_NEW_TOKENS: the
 # expert's are at most 29 tokens, and a batched turn decodes as long as its longest answer, so rambling answers
 # (a third of the BC policy's hit 128) set the pace. BC runs 8 epochs: after 3 the policy won 1 of 24 sampled
-# rollouts, after 8 it wins about a third, at rates that differ by task, which the critic needs. See README, "The loop".
+# rollouts, after 8 it wins about a third, at rates that differ by task, which the critic needs. See docs/loop.md.
 : "${TASKS=lifespan-longest-lived lifespan-shortest-lived lifespan-longest-lived-then-shortest-lived}"
 : "${NUM_DEMOS:=18}" "${NUM_TASKS:=12}" "${NUM_EVAL:=8}" "${SAMPLES:=2}" "${TEMPERATURE:=0.7}" "${MAX_STEPS=12}"
 : "${BC_EPOCHS:=8}" "${CRITIC_EPOCHS:=1}" "${BPPO_EPOCHS:=1}" "${BPPO_LR:=1e-4}" "${NUM_ENVS:=8}" "${GRAD_ACCUM:=4}"
@@ -49,8 +49,8 @@ bc_extra=() critic_extra=() bppo_extra=()
 # Rollouts stay in the model's own dtype, so that greedy episodes do not depend on how rows are batched.
 : "${BF16:=1}"
 [ "$BF16" = 1 ] && { bc_extra+=(--bf16); critic_extra+=(--bf16); bppo_extra+=(--bf16); }
-# What we add to the paper's algorithm for small data on a CPU, each a flag (README, "Where we depart from the
-# paper"); PRESET=7b runs none of them (DEPARTURES=none). exact_fit: the critic's heads re-solved by least squares after training;
+# What we add to the paper's algorithm for small data on a CPU, each a flag (docs/departures.md);
+# PRESET=7b runs none of them (DEPARTURES=none). exact_fit: the critic's heads re-solved by least squares after training;
 # heldout: 10% of the demonstrations kept out of BC and of the hybrid data kept out of critic training, for
 # their diagnostics; adv_norm: advantages
 # standardised per optimizer batch; grad_clip: gradient norms clipped at 1 in the critic and BPPO; value_clip: V and Q

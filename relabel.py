@@ -29,7 +29,7 @@ from envs import ENVS
 PENALTIES = {"alfworld": (-0.3, -0.2, -0.1), "sciworld": (-0.3, -0.2, -0.1), "webshop": (-0.3, 0.0, 0.0)}
 # Format-error observations: ours (common.FORMAT_ERROR) and ETO's wrappers' two spellings.
 FORMAT_TEXTS = ("Invalid format.", "Error Input. Your input must contains 'Action: '")
-# Each environment's own rejection texts, as its engine writes them (README, Relabel).
+# Each environment's own rejection texts, as its engine writes them (docs/stages.md, Relabel).
 INVALID_TEXTS = {
     "alfworld": ("Nothing happens.", "Nothing happened"),
     "sciworld": ("No known action matches that input.", "Unknown action.", "Ambiguous request",

@@ -7,7 +7,7 @@ them, one process each: bc.py, collect.py (the real ScienceWorld, --num-envs KV 
 length), critic.py, bppo.py. On CUDA the base is 4-bit nf4, as the stages default to. Prints, per stage,
 the peak of torch.cuda.max_memory_allocated (on CPU: peak RSS) and the stage's own throughput.
 
-    python bench/gpu_memory.py                                  # on a GPU: the 7B table for README
+    python bench/gpu_memory.py                                  # on a GPU: the 7B table for docs/scale.md
     python bench/gpu_memory.py --shape tiny --tokens 512 --num-envs 2 --max-steps 2    # CPU check (a test)
 """
 from __future__ import annotations
