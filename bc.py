@@ -8,7 +8,6 @@ of expert actions before and after.
 """
 from __future__ import annotations
 
-import json
 import math
 import random
 import time
@@ -18,7 +17,9 @@ from typing import Literal
 
 import torch
 import tyro
+from peft import get_peft_model
 from tqdm import tqdm
+from transformers import get_constant_schedule, get_cosine_schedule_with_warmup
 
 import common
 from envs import ENVS
@@ -75,6 +76,8 @@ class Args:
     state stay fp32, the heads fp32): ~1.4x faster on a CPU with AVX512-BF16 (evolve.sh's default, BF16=1)"""
     env: Literal[ENVS] | None = None
     """environment of released records whose id and file name do not name it"""
+    track: bool = False
+    """also log to Weights & Biases (metrics.jsonl and TensorBoard events in --out always)"""
     seed: int = 1
     threads: int | None = None
     """CPU threads for torch (default: torch's choice)"""
@@ -98,7 +101,9 @@ def batches(seqs: list[tuple[list[int], list[int]]], size: int, pad_id: int, shu
 
 @torch.no_grad()
 def action_nll(model, seqs, args, pad_id) -> float:
-    """Mean NLL per expert action token."""
+    """Mean NLL per expert action token (nan when there is none to measure)."""
+    if not seqs:
+        return float("nan")
     model.eval()
     total, count = 0.0, 0
     for ids, attn, mask in batches(seqs, args.batch_size, pad_id, False, random.Random(0)):
@@ -117,70 +122,31 @@ def main() -> None:
     rng = random.Random(args.seed)
 
     # Data first: a bad file must fail before the model is loaded.
-    trajs = [t for path in args.data for t in common.read_jsonl(path, env=args.env)]
-    if args.successes_only:
-        trajs = [t for t in trajs if t["success"]]
-        if not trajs:
-            raise common.UserError(f"--data {' '.join(args.data)}: no successful trajectory (--successes-only)")
-    if args.eval_data:
-        train, held = trajs, [t for path in args.eval_data for t in common.read_jsonl(path, env=args.env)]
-    else:
-        tasks = sorted({(t["env"], t["task"], t["variation"]) for t in trajs})
-        rng.shuffle(tasks)
-        n_held = max(1, round(args.eval_frac * len(tasks))) if args.eval_frac > 0 and len(tasks) > 1 else 0
-        held_tasks = set(tasks[:n_held])
-        train = [t for t in trajs if (t["env"], t["task"], t["variation"]) not in held_tasks]
-        held = [t for t in trajs if (t["env"], t["task"], t["variation"]) in held_tasks]
+    train, held = read_data(args, rng)
     print(f"{len(train)} training and {len(held)} held-out trajectories")
-
     if args.init:  # a policy to continue: its adapter goes on training, on its own base model
         model, tokenizer, args.model = common.load_policy(args.init, args.load_in_4bit, trainable=True,
                                                           grad_ckpt=args.grad_ckpt)
     else:
         model, tokenizer = common.load_base(args.model, args.load_in_4bit, args.grad_ckpt)
-
-    def encode(items, where):
-        seqs = []
-        for t in items:
-            ids, spans = common.tokenize_steps(tokenizer, t)
-            common.check_length(where, t["id"], len(ids), args.max_length, model)
-            mask = [0] * len(ids)
-            for s, e in spans:
-                mask[s:e] = [1] * (e - s)
-            seqs.append((ids, mask))
-        return seqs
-
-    train_seqs, held_seqs = encode(train, "--data"), encode(held, "--eval-data")
-    n_tokens = sum(len(ids) for ids, _ in train_seqs)
-    print(f"{n_tokens} training tokens, {sum(sum(m) for _, m in train_seqs)} of them action tokens")
-
-    from peft import get_peft_model
-    from transformers import get_constant_schedule, get_cosine_schedule_with_warmup
-    if not args.init:
         model = get_peft_model(model, common.lora_config(args.lora_r, args.lora_alpha, args.lora_dropout),
                                adapter_name="policy")
+    train_seqs, held_seqs = encode(train, tokenizer, model, args, "--data"), encode(held, tokenizer, model, args,
+                                                                                     "--eval-data")
+    print(f"{sum(len(ids) for ids, _ in train_seqs)} training tokens, "
+          f"{sum(sum(m) for _, m in train_seqs)} of them action tokens")
     pad_id = tokenizer.pad_token_id
-    nll_before = action_nll(model, held_seqs, args, pad_id) if held_seqs else float("nan")
-    if held_seqs:
-        print(f"held-out NLL of expert actions before: {nll_before:.4f}")
-
+    nll_before = action_nll(model, held_seqs, args, pad_id)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    steps_per_epoch = math.ceil(math.ceil(len(train_seqs) / args.batch_size) / args.grad_accum)
-    total_steps = args.steps or steps_per_epoch * args.epochs
-    epochs = math.ceil(total_steps / steps_per_epoch)
-    if args.schedule == "cosine":
-        scheduler = get_cosine_schedule_with_warmup(optimizer, round(args.warmup_ratio * total_steps), total_steps)
-    else:
-        scheduler = get_constant_schedule(optimizer)
+    scheduler, total_steps, epochs = schedule(optimizer, len(train_seqs), args)
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     common.save_args(out, args)
     resume = common.Resume(out, args, lambda: {n: p for n, p in model.named_parameters() if p.requires_grad},
                            optimizer, scheduler, lambda d: common.save_policy(model, d, args.model))
     step = resume.load()
-    metrics = resume.metrics()
+    tracker = common.Tracker(out / "metrics.jsonl", out, args, resumed_step=step)
     bar = tqdm(total=total_steps, initial=step, desc="bc", unit="step")
     seen_tokens, t0 = 0, time.time()
     model.train()
@@ -190,7 +156,7 @@ def main() -> None:
             group = micro[i:i + args.grad_accum]
             n_act = sum(m.sum().item() for _, _, m in group)
             loss_sum = 0.0
-            for ids, attn, mask in group:
+            for ids, attn, mask in group:  # L_BC: NLL of the expert's action tokens
                 dev = model.device
                 logp = common.action_logprobs(model, ids.to(dev), attn.to(dev), mask.to(dev), bf16=args.bf16)
                 loss = -logp.sum() / n_act  # mean over the step's action tokens, however they are split
@@ -203,22 +169,67 @@ def main() -> None:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            record = {"step": step, "epoch": epoch, "loss": loss_sum, "lr": scheduler.get_last_lr()[0],
-                      "tokens_per_s": seen_tokens / (time.time() - t0)}
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
+            tracker.log(step, losses={"loss": loss_sum}, charts={
+                "epoch": epoch, "lr": scheduler.get_last_lr()[0], "tokens_per_s": seen_tokens / (time.time() - t0)})
             resume.step_done(step)
             bar.set_postfix(loss=f"{loss_sum:.3f}", epoch=epoch)
             bar.update()
     bar.close()
-    metrics.close()
 
-    nll_after = action_nll(model, held_seqs, args, pad_id) if held_seqs else float("nan")
+    nll_after = action_nll(model, held_seqs, args, pad_id)
     common.save_policy(model, out, args.model)
     resume.done()
+    report(out, tracker, step, nll_before, nll_after, len(held_seqs))
+    tracker.close()
+
+
+# ----------------------------------------------------------------------------- set-up and report
+def read_data(args: Args, rng: random.Random) -> tuple[list[dict], list[dict]]:
+    """The training trajectories and the held-out ones: --eval-data, else --eval-frac of --data's tasks."""
+    trajs = [t for path in args.data for t in common.read_jsonl(path, env=args.env)]
+    if args.successes_only:
+        trajs = [t for t in trajs if t["success"]]
+        if not trajs:
+            raise common.UserError(f"--data {' '.join(args.data)}: no successful trajectory (--successes-only)")
+    if args.eval_data:
+        return trajs, [t for path in args.eval_data for t in common.read_jsonl(path, env=args.env)]
+    tasks = sorted({(t["env"], t["task"], t["variation"]) for t in trajs})
+    rng.shuffle(tasks)
+    n_held = max(1, round(args.eval_frac * len(tasks))) if args.eval_frac > 0 and len(tasks) > 1 else 0
+    held_tasks = set(tasks[:n_held])
+    return ([t for t in trajs if (t["env"], t["task"], t["variation"]) not in held_tasks],
+            [t for t in trajs if (t["env"], t["task"], t["variation"]) in held_tasks])
+
+
+def encode(trajs: list[dict], tokenizer, model, args: Args, where: str) -> list[tuple[list[int], list[int]]]:
+    """Each chat's token ids and its action mask (1 on the tokens of the steps' answers)."""
+    seqs = []
+    for t in trajs:
+        ids, spans = common.tokenize_steps(tokenizer, t)
+        common.check_length(where, t["id"], len(ids), args.max_length, model)
+        mask = [0] * len(ids)
+        for s, e in spans:
+            mask[s:e] = [1] * (e - s)
+        seqs.append((ids, mask))
+    return seqs
+
+
+def schedule(optimizer, n_seqs: int, args: Args):
+    """The learning-rate schedule, the optimizer steps to take and the passes over the data they need."""
+    steps_per_epoch = math.ceil(math.ceil(n_seqs / args.batch_size) / args.grad_accum)
+    total_steps = args.steps or steps_per_epoch * args.epochs
+    if args.schedule == "cosine":
+        scheduler = get_cosine_schedule_with_warmup(optimizer, round(args.warmup_ratio * total_steps), total_steps)
+    else:
+        scheduler = get_constant_schedule(optimizer)
+    return scheduler, total_steps, math.ceil(total_steps / steps_per_epoch)
+
+
+def report(out: Path, tracker: common.Tracker, step: int, nll_before: float, nll_after: float, n_held: int) -> None:
     common.write_json(out / "eval.json", {"heldout_nll_before": nll_before, "heldout_nll_after": nll_after,
-                                          "heldout_trajectories": len(held_seqs)})
-    if held_seqs:
+                                          "heldout_trajectories": n_held})
+    if n_held:
+        tracker.scalars(step, eval={"heldout_nll_before": nll_before, "heldout_nll_after": nll_after})
         print(f"held-out NLL of expert actions: before {nll_before:.4f} -> after {nll_after:.4f} "
               f"({nll_before / nll_after:.2f}x lower)")
     else:

@@ -12,12 +12,13 @@ one base model: their log-probabilities are computed once, before any update, wi
 """
 from __future__ import annotations
 
-import json
 import math
 import random
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import tyro
@@ -36,7 +37,7 @@ class Args:
     """π_ref for the KL term: the BC checkpoint"""
     out: str = "runs/bppo"
     """the next policy checkpoint, args.json and metrics.jsonl"""
-    objective: str = "bppo"
+    objective: Literal["bppo", "awr"] = "bppo"
     """bppo (eq. 7) | awr: advantage-weighted regression E[exp(A / β) log π], the paper's 'w/o PI + AWR' row"""
     eps_low: float = 0.8
     """clip η from below at 1 − eps_low (the value reported for the paper)"""
@@ -69,6 +70,8 @@ class Args:
     bf16: bool = False
     """run the model's forward and backward passes in bfloat16 (torch.autocast; weights, gradients and optimizer
     state stay fp32, the heads fp32): ~1.4x faster on a CPU with AVX512-BF16 (evolve.sh's default, BF16=1)"""
+    track: bool = False
+    """also log to Weights & Biases (metrics.jsonl and TensorBoard events in --out always)"""
     seed: int = 1
     threads: int | None = None
 
@@ -96,8 +99,6 @@ def kl_estimate(logp_new, logp_ref) -> torch.Tensor:
 
 def main() -> None:
     args = tyro.cli(Args)
-    if args.objective not in ("bppo", "awr"):
-        raise common.UserError(f"--objective {args.objective!r}: use bppo or awr")
     if args.kl_coef is None:
         args.kl_coef = 0.05 if args.objective == "bppo" else 0.0
     if args.threads:
@@ -106,10 +107,69 @@ def main() -> None:
     rng = random.Random(args.seed)
     trajs = common.read_jsonl(args.data)
     common.require_step_field(trajs, args.data, "advantage", "critic.py")
+    model, tok, base_model, same_ref = load_models(args)
+    batches = encode(trajs, tok, model, args)
+    # π_old and π_ref are fixed during the update: their log-probabilities once, from the starting weights (a
+    # resumed run recomputes them the same way), then only the `policy` adapter trains.
+    old_and_ref_logprobs(model, batches, same_ref, args)
+    params = trainable(model)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
 
+    out = Path(args.out)
+    common.save_args(out, args)
+    resume = common.Resume(out, args, lambda: {n: p for n, p in model.named_parameters() if ".policy." in n},
+                           optimizer, None, lambda d: common.save_policy(model, d, base_model))
+    step = resume.load()
+    tracker = common.Tracker(out / "metrics.jsonl", out, args, resumed_step=step)
+    bar = tqdm(total=math.ceil(len(batches) / args.grad_accum) * args.epochs, initial=step, desc=args.objective,
+               unit="step")
+    dev, t0, trained = model.device, time.time(), 0
+    for epoch in resume.epochs(args.epochs, rng):
+        order = list(range(len(batches)))
+        rng.shuffle(order)
+        for i in resume.groups(len(order), args.grad_accum):
+            group = [batches[j] for j in order[i:i + args.grad_accum]]
+            mean, std = advantage_scale(group, args)
+            n_tokens = sum(b["mask"].sum().item() for b in group)
+            logs = defaultdict(float)
+            for b in group:
+                ids, mask = b["ids"].to(dev), b["mask"].to(dev)
+                adv = ((b["adv"] - mean) / (std + 1e-8)).to(dev) * mask
+                logp, entropy = common.action_logprobs(model, ids, torch.ones_like(ids), mask, True, args.bf16)
+                old, ref = b["logp_old"].to(dev), b["logp_ref"].to(dev)
+                if args.objective == "bppo":  # eq. 7
+                    loss = bppo_loss(logp, old, adv, mask, args.eps_low, args.eps_high)
+                else:
+                    loss = awr_loss(logp, adv, mask, args.awr_beta, args.awr_max_weight)
+                kl = (kl_estimate(logp, ref) * mask).sum() / mask.sum()
+                share = mask.sum().item() / n_tokens  # token-weighted mean over the whole optimizer step
+                ((loss + args.kl_coef * kl) * share).backward()
+                for k, v in diagnostics(loss, kl, logp, old, entropy, mask, args).items():
+                    logs[k] += share * v
+            resume.check_finite(logs, step)
+            if args.max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step, trained = step + 1, trained + len(group)
+            tracker.log(step, losses={k: logs[k] for k in ("loss", "kl_ref")},
+                        charts={"epoch": epoch, **{k: logs[k] for k in ("approx_kl", "clip_frac", "entropy")},
+                                "trajectories_per_s": trained / (time.time() - t0)})
+            resume.step_done(step)
+            bar.set_postfix(loss=f"{logs['loss']:.4f}", kl=f"{logs['kl_ref']:.4f}", clip=f"{logs['clip_frac']:.2f}")
+            bar.update()
+    bar.close()
+    tracker.close()
+    common.save_policy(model, out, base_model)
+    resume.done()
+    print(f"policy written to {out / 'policy'} after {step} steps")
+
+
+# ----------------------------------------------------------------------------- set-up and diagnostics
+def load_models(args: Args):
+    """One base, two adapters: `policy` (trainable, starts as π_old) and `ref` (frozen π_ref). In iteration 1
+    π_old is π_ref (both the BC checkpoint): then one adapter, and one pass gives both log-probabilities."""
     ref_base = common.read_meta(args.reference, "policy")["base_model"]
-    # One base, two adapters: `policy` (trainable, starts as π_old) and `ref` (frozen π_ref). In iteration 1
-    # π_old is π_ref (both the BC checkpoint): one adapter and one pass give both log-probabilities.
     same_ref = Path(args.policy).resolve() == Path(args.reference).resolve()
     model, tok, base_model = common.load_policy(args.policy, args.load_in_4bit, trainable=True,
                                                 grad_ckpt=args.grad_ckpt)
@@ -117,8 +177,11 @@ def main() -> None:
         raise common.UserError(f"--reference {args.reference}: a policy on another base model than {base_model}")
     if not same_ref:
         model.load_adapter(str(Path(args.reference) / "policy"), adapter_name="ref", is_trainable=False)
+    return model, tok, base_model, same_ref
 
-    dev = model.device
+
+def encode(trajs: list[dict], tok, model, args: Args) -> list[dict]:
+    """Per trajectory: token ids, the action mask, each action token's advantage, and the steps' advantages."""
     batches = []
     for t in trajs:
         ids, spans = common.tokenize_steps(tok, t)
@@ -127,83 +190,55 @@ def main() -> None:
         adv = torch.zeros(1, len(ids))
         for (s, e), step in zip(spans, t["steps"]):
             mask[0, s:e], adv[0, s:e] = 1, step["advantage"]
-        batches.append({"ids": torch.tensor([ids]), "mask": mask, "adv": adv, "step_adv": [s["advantage"] for s in
-                                                                                              t["steps"]]})
+        batches.append({"ids": torch.tensor([ids]), "mask": mask, "adv": adv,
+                        "step_adv": [s["advantage"] for s in t["steps"]]})
+    return batches
+
+
+@torch.no_grad()
+def old_and_ref_logprobs(model, batches: list[dict], same_ref: bool, args: Args) -> None:
+    """log π_old and log π_ref of every action token, into each batch (frozen weights, eval mode)."""
     model.eval()
-    with torch.no_grad():
-        for name, key in [("policy", "logp_old")] + ([] if same_ref else [("ref", "logp_ref")]):
-            model.set_adapter(name)
-            for b in tqdm(batches, desc=f"log π_{'old' if name == 'policy' else 'ref'}", unit="traj"):
-                b[key] = common.action_logprobs(model, b["ids"].to(dev), torch.ones_like(b["ids"]).to(dev),
-                                                b["mask"].to(dev), bf16=args.bf16).cpu()
-                if same_ref:
-                    b["logp_ref"] = b[key]
+    dev = model.device
+    for name, key in [("policy", "logp_old")] + ([] if same_ref else [("ref", "logp_ref")]):
+        model.set_adapter(name)
+        for b in tqdm(batches, desc=f"log π_{'old' if name == 'policy' else 'ref'}", unit="traj"):
+            b[key] = common.action_logprobs(model, b["ids"].to(dev), torch.ones_like(b["ids"]).to(dev),
+                                            b["mask"].to(dev), bf16=args.bf16).cpu()
+            if same_ref:
+                b["logp_ref"] = b[key]
     model.set_adapter("policy")
+
+
+def trainable(model) -> list[torch.nn.Parameter]:
+    """The `policy` adapter's weights, trainable; dropout off, so that η compares π and π_old as functions."""
     params = [p for n, p in model.named_parameters() if ".policy." in n]
     for p in params:
         p.requires_grad_(True)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    for m in model.modules():  # η must compare π and π_old as functions: no dropout noise in either
+    for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
     model.train()
+    return params
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    common.save_args(out, args)
-    # π_old and π_ref log-probs above come from the starting weights; a resumed run recomputes them the same way.
-    resume = common.Resume(out, args, lambda: {n: p for n, p in model.named_parameters() if ".policy." in n},
-                           optimizer, None, lambda d: common.save_policy(model, d, base_model))
-    step = resume.load()
-    metrics = resume.metrics()
-    bar = tqdm(total=math.ceil(len(batches) / args.grad_accum) * args.epochs, initial=step, desc=args.objective,
-               unit="step")
-    t0, trained = time.time(), 0
-    for epoch in resume.epochs(args.epochs, rng):
-        order = list(range(len(batches)))
-        rng.shuffle(order)
-        for i in resume.groups(len(order), args.grad_accum):
-            group = [batches[j] for j in order[i:i + args.grad_accum]]
-            step_adv = torch.tensor([a for b in group for a in b["step_adv"]])
-            mean, std = (step_adv.mean(), step_adv.std()) if args.normalize_adv and len(step_adv) > 1 else (0.0, 1.0)
-            n_tokens = sum(b["mask"].sum().item() for b in group)
-            logs = {"loss": 0.0, "approx_kl": 0.0, "clip_frac": 0.0, "entropy": 0.0, "kl_ref": 0.0}
-            for b in group:
-                ids, mask = b["ids"].to(dev), b["mask"].to(dev)
-                adv = ((b["adv"] - mean) / (std + 1e-8)).to(dev) * mask
-                logp, entropy = common.action_logprobs(model, ids, torch.ones_like(ids), mask, True, args.bf16)
-                old, ref = b["logp_old"].to(dev), b["logp_ref"].to(dev)
-                share = mask.sum().item() / n_tokens  # token-weighted mean over the whole optimizer step
-                if args.objective == "bppo":
-                    loss = bppo_loss(logp, old, adv, mask, args.eps_low, args.eps_high)
-                else:
-                    loss = awr_loss(logp, adv, mask, args.awr_beta, args.awr_max_weight)
-                kl = (kl_estimate(logp, ref) * mask).sum() / mask.sum()
-                ((loss + args.kl_coef * kl) * share).backward()
-                with torch.no_grad():
-                    ratio = torch.exp(logp - old)[mask.bool()]
-                    logs["loss"] += share * loss.item()
-                    logs["kl_ref"] += share * kl.item()
-                    logs["approx_kl"] += share * (old - logp)[mask.bool()].mean().item()
-                    logs["clip_frac"] += share * ((ratio < 1 - args.eps_low) | (ratio > 1 + args.eps_high)).float().mean().item()
-                    logs["entropy"] += share * entropy[mask.bool()].mean().item()
-            resume.check_finite(logs, step)
-            if args.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step, trained = step + 1, trained + len(group)
-            metrics.write(json.dumps({"step": step, "epoch": epoch, **logs,
-                                      "trajectories_per_s": trained / (time.time() - t0)}) + "\n")
-            metrics.flush()
-            resume.step_done(step)
-            bar.set_postfix(loss=f"{logs['loss']:.4f}", kl=f"{logs['kl_ref']:.4f}", clip=f"{logs['clip_frac']:.2f}")
-            bar.update()
-    bar.close()
-    metrics.close()
-    common.save_policy(model, out, base_model)
-    resume.done()
-    print(f"policy written to {out / 'policy'} after {step} steps")
+
+def advantage_scale(group: list[dict], args: Args) -> tuple[float, float]:
+    """(mean, std) of the batch's step advantages with --normalize-adv (a departure), else (0, 1)."""
+    step_adv = torch.tensor([a for b in group for a in b["step_adv"]])
+    if args.normalize_adv and len(step_adv) > 1:
+        return step_adv.mean().item(), step_adv.std().item()
+    return 0.0, 1.0
+
+
+@torch.no_grad()
+def diagnostics(loss, kl, logp, old, entropy, mask, args: Args) -> dict[str, float]:
+    """What one trajectory's update did: its loss and KL to π_ref, the approximate KL to π_old, the fraction
+    of tokens whose ratio lies outside the clip, and the policy's entropy on the action tokens."""
+    on = mask.bool()
+    ratio = torch.exp(logp - old)[on]
+    return {"loss": loss.item(), "kl_ref": kl.item(), "approx_kl": (old - logp)[on].mean().item(),
+            "clip_frac": ((ratio < 1 - args.eps_low) | (ratio > 1 + args.eps_high)).float().mean().item(),
+            "entropy": entropy[on].mean().item()}
 
 
 if __name__ == "__main__":

@@ -35,21 +35,20 @@ import tyro
 from tqdm import tqdm
 
 import common
-from envs import Task, TextEnv, make_env
+from envs import ENVS, Task, TextEnv, make_env
 from rollout import Conversation, Engine, Reranker, env_step, for_rollouts, trajectory
 from envs.sciworld import eto_task_name
 
 
 @dataclass
 class Args:
-    env: str
-    """sciworld | alfworld | webshop"""
+    env: Literal[ENVS]
     out: str
     """trajectory JSONL to append to (created if missing); the summary goes next to it. `{split}` in it is
     replaced by each split's name"""
     policy: str = "expert"
     """'expert' (the environment's expert) or a policy checkpoint folder (bc.py / bppo.py output)"""
-    split: tuple[str, ...] = ("train",)
+    split: tuple[Literal["train", "seen", "unseen"], ...] = ("train",)
     """train | seen (dev) | unseen (test); several (`--split seen unseen`) play in one run, sharing the model and
     the slots, each split into its own file: --out then holds `{split}`"""
     task_names: tuple[str, ...] = ()
@@ -85,6 +84,8 @@ class Args:
     """4-bit nf4 base; default: on with CUDA, off on CPU"""
     iteration: int = 0
     """self-evolution iteration written into each trajectory (0 = expert / BC data)"""
+    track: bool = False
+    """also log to Weights & Biases (<out>.logs/ always holds metrics.jsonl and TensorBoard events)"""
     seed: int = 1
     threads: int | None = None
     """CPU threads for torch (default: torch's choice)"""
@@ -158,13 +159,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     common.seed_everything(args.seed)
-    if len(args.split) > 1 and "{split}" not in args.out:
-        raise common.UserError(f"--split {' '.join(args.split)}: --out must hold {{split}}, one file per split")
+    check_args(args)
     outs = {split: Path(args.out.replace("{split}", split)) for split in args.split}
     done_ids = {t["id"] for out in outs.values() if out.exists() for t in common.read_jsonl(out, allow_empty=True)}
-    if args.rerank_with and (args.policy == "expert" or args.temperature <= 0 or args.candidates < 2):
-        raise common.UserError("--rerank-with: needs a policy checkpoint, --temperature > 0 and --candidates >= 2 "
-                               "(greedy decoding would give the critic one candidate to choose from)")
     reranker = None
     if args.policy != "expert":
         model, tok, base_model = common.load_policy(args.policy, args.load_in_4bit)
@@ -185,32 +182,24 @@ def main() -> None:
     source = "expert" if args.policy == "expert" else "policy"
     todo = [(task, f"{task.key}/{source}{k}") for split, ts in tasks.items() for task in ts[:target[split]]
             for k in range(args.samples_per_task)]
-    written, steps, skipped, too_long, t0 = 0, 0, 0, 0, time.time()
-    bar = tqdm(total=len(todo), desc=f"{args.env} {' '.join(args.split)}", unit="episode")
-    bar.update(sum(i in done_ids for _, i in todo))
-
-    def record(traj: dict) -> None:
-        nonlocal written, steps
-        common.append_jsonl(outs[traj["split"]], traj)
-        written, steps = written + traj["success"], steps + len(traj["steps"])
-        bar.update()
-        bar.set_postfix(success=f"{written}/{bar.n}", steps_per_s=f"{steps / (time.time() - t0):.1f}")
-
     pending = [(task, i) for task, i in todo if i not in done_ids]
+    logs = Path(args.out.replace("{split}", "_".join(args.split))).with_suffix(".logs")
+    tracker = common.Tracker(logs / "metrics.jsonl", logs, args, resumed_step=len(todo) - len(pending))
+    bar = tqdm(total=len(todo), initial=len(todo) - len(pending), desc=f"{args.env} {' '.join(args.split)}",
+               unit="episode")
+    won, steps, skipped, too_long, t0 = 0, 0, 0, 0, time.time()
+
+    def record(traj: dict) -> None:  # one line per episode, flushed: a killed run loses the episodes in flight
+        nonlocal won, steps
+        common.append_jsonl(outs[traj["split"]], traj)
+        won, steps = won + traj["success"], steps + len(traj["steps"])
+        bar.update()
+        bar.set_postfix(success=f"{won}/{bar.n}", steps_per_s=f"{steps / (time.time() - t0):.1f}")
+        tracker.log(bar.n, charts={"episode_reward": traj["reward"], "episode_success": float(traj["success"]),
+                                   "episode_steps": len(traj["steps"]), "env_steps_per_s": steps / (time.time() - t0)})
+
     if args.policy == "expert":
-        while pending:
-            task, traj_id = pending.pop(0)
-            envs[0].max_steps = step_cap(args, envs[0], task, paper_cap)
-            traj = play_expert(envs[0], task, traj_id, args.iteration, prompt)
-            if traj is None or not traj["success"]:
-                skipped += traj is None
-                if traj is not None:
-                    print(f"expert failed: {traj_id} (reward {traj['reward']:.2f})")
-                if traj is None and args.num_tasks and (task := next(extra[task.split], None)):
-                    pending.append((task, f"{task.key}/expert0"))
-                bar.update()
-                continue
-            record(traj)
+        skipped = play_experts(envs[0], pending, extra, args, prompt, paper_cap, record, bar)
     else:
         limit = common.length_limit(args.max_length, model)
         model = for_rollouts(model, merge=args.merge_lora and reranker is None)
@@ -226,21 +215,57 @@ def main() -> None:
     bar.close()
     for env in envs:
         env.close()
+    notes(args, steps, time.time() - t0, too_long, skipped)
+    ids = {i for _, i in todo}
+    for split, out in outs.items():
+        summary = report(out, [t for t in common.read_jsonl(out, allow_empty=True) if t["id"] in ids or
+                               source == "expert"], split, args)
+        group = "eval" if args.temperature == 0 and source == "policy" else "charts"  # greedy: an evaluation
+        tracker.scalars(args.iteration, **{group: {f"{split}_reward_x100": summary["reward_x100"],
+                                                   f"{split}_success_rate": summary["success_rate"]}})
+    tracker.close()
 
-    elapsed = time.time() - t0
+
+def play_experts(env: TextEnv, pending: list, extra: dict, args: Args, prompt: common.Prompt, paper_cap: int,
+                 record, bar) -> int:
+    """The expert's episodes, successes recorded; a task whose expert path is longer than the cap is skipped
+    (with --num-tasks the split's next task takes its place). Returns the number skipped."""
+    skipped = 0
+    while pending:
+        task, traj_id = pending.pop(0)
+        env.max_steps = step_cap(args, env, task, paper_cap)
+        traj = play_expert(env, task, traj_id, args.iteration, prompt)
+        if traj is not None and traj["success"]:
+            record(traj)
+            continue
+        if traj is None:
+            skipped += 1
+            if args.num_tasks and (task := next(extra[task.split], None)):
+                pending.append((task, f"{task.key}/expert0"))
+        else:
+            print(f"expert failed: {traj_id} (reward {traj['reward']:.2f})")
+        bar.update()
+    return skipped
+
+
+def check_args(args: Args) -> None:
+    if len(args.split) > 1 and "{split}" not in args.out:
+        raise common.UserError(f"--split {' '.join(args.split)}: --out must hold {{split}}, one file per split")
+    if args.rerank_with and (args.policy == "expert" or args.temperature <= 0 or args.candidates < 2):
+        raise common.UserError("--rerank-with: needs a policy checkpoint, --temperature > 0 and --candidates >= 2 "
+                               "(greedy decoding would give the critic one candidate to choose from)")
+
+
+def notes(args: Args, steps: int, elapsed: float, too_long: int, skipped: int) -> None:
     print(f"this run: {steps} env steps at {steps / elapsed:.1f} steps/s")
     if too_long:
         print(f"{too_long} episodes ended early: their chat reached --max-length {args.max_length} "
               "(or the model's context)")
     if skipped:
         print(f"skipped {skipped} tasks whose expert path is longer than the step cap (--max-steps)")
-    ids = {i for _, i in todo}
-    for split, out in outs.items():
-        report(out, [t for t in common.read_jsonl(out, allow_empty=True) if t["id"] in ids or source == "expert"],
-               split, args)
 
 
-def report(out: Path, trajs: list[dict], split: str, args: Args) -> None:
+def report(out: Path, trajs: list[dict], split: str, args: Args) -> dict:
     """A split's summary beside its file: <out>.summary.json and the results row <out>.summary.md."""
     summary = summarize(trajs, split, args)
     common.write_json(out.with_suffix(".summary.json"), summary)
@@ -251,6 +276,7 @@ def report(out: Path, trajs: list[dict], split: str, args: Args) -> None:
                                               "|---|---|---|---|---|---|\n" + row + "\n")
     print(f"{len(trajs)} trajectories in {out}")
     print(row)
+    return summary
 
 
 if __name__ == "__main__":

@@ -389,7 +389,7 @@ def atomic_dir(path: str | os.PathLike):
 
 
 # ----------------------------------------------------------------------------- resumable training
-RESUME_IGNORED = ("threads", "save_every")  # may change between a run and its resumption
+RESUME_IGNORED = ("threads", "save_every", "track")  # may change between a run and its resumption
 
 
 class Resume:
@@ -466,14 +466,6 @@ class Resume:
             self.save_checkpoint(tmp)
         self.last_saved = step
 
-    def metrics(self):
-        """metrics.jsonl opened for appending, cut back to the resumed step (lines past it are replayed)."""
-        path = self.dir.parent / "metrics.jsonl"
-        keep = [] if self.start is None or not path.exists() else \
-            [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= self.start["step"]]
-        path.write_text("".join(line + "\n" for line in keep))
-        return open(path, "a")
-
     def check_finite(self, logs: dict, step: int) -> None:
         """Stop on a NaN or inf loss, before the optimizer writes it into the weights."""
         bad = sorted(k for k, v in logs.items() if not math.isfinite(v))
@@ -485,6 +477,62 @@ class Resume:
     def done(self) -> None:
         """The stage wrote its final checkpoint: the resume state is no longer needed."""
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- tracking
+class Tracker:
+    """A run's scalars, kept as CleanRL keeps them: one JSON line per step in `jsonl` (what the tools read), the
+    same scalars as TensorBoard events in `tb_dir` under their group's name (`losses/…`, `charts/…`, `eval/…`)
+    with the run's flags as text, so `tensorboard --logdir RUN` shows every stage of a loop; with `--track`
+    also Weights & Biases (an optional install; WANDB_MODE=offline needs no account, WANDB_PROJECT and
+    WANDB_RUN_GROUP name the project and the group). A run resumed at optimizer step k drops the lines and
+    events after k, which it is about to write again.
+
+        tracker = Tracker(out / "metrics.jsonl", out, args, resumed_step=step)
+        tracker.log(step, losses={"loss": 0.7}, charts={"lr": 1e-4})   # losses/loss, charts/lr; jsonl: loss, lr
+        tracker.scalars(step, eval={"heldout_nll": 0.3})                 # eval/heldout_nll, TensorBoard only
+    """
+
+    def __init__(self, jsonl: str | os.PathLike, tb_dir: str | os.PathLike, args, resumed_step: int = 0):
+        self.path = Path(jsonl)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        lines = self.path.read_text().splitlines() if self.path.exists() else []
+        self.path.write_text("".join(f"{line}\n" for line in lines if json.loads(line)["step"] <= resumed_step))
+        self.file = open(self.path, "a")
+        flags = asdict(args)
+        self.wandb = None
+        if flags.get("track"):
+            try:
+                import wandb
+            except ImportError:
+                raise UserError("--track logs to Weights & Biases, which is not installed: pip install wandb "
+                                "(WANDB_MODE=offline logs without an account)") from None
+            # before the TensorBoard writer: sync_tensorboard mirrors its events into the W&B run
+            self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "qevolve"), name=str(tb_dir),
+                                    config=flags, sync_tensorboard=True, dir=str(tb_dir), reinit=True)
+        from torch.utils.tensorboard import SummaryWriter
+        self.tb = SummaryWriter(str(tb_dir), purge_step=resumed_step + 1)  # hides a killed run's later events
+        rows = "".join(f"|{k}|{v}|\n" for k, v in flags.items())
+        self.tb.add_text("hyperparameters", f"|flag|value|\n|-|-|\n{rows}", resumed_step)
+
+    def log(self, step: int, **groups: dict[str, float]) -> None:
+        """One optimizer step's (or episode's) scalars: a line of metrics.jsonl and the TensorBoard events."""
+        self.scalars(step, **groups)
+        self.file.write(json.dumps({"step": step, **{k: v for g in groups.values() for k, v in g.items()}}) + "\n")
+        self.file.flush()
+
+    def scalars(self, step: int, **groups: dict[str, float]) -> None:
+        """TensorBoard (and W&B) only: end-of-run figures that have their own file (eval.json, summaries)."""
+        for group, values in groups.items():
+            for name, value in values.items():
+                self.tb.add_scalar(f"{group}/{name}", value, step)
+        self.tb.flush()  # a killed run keeps its curve up to its last step, like metrics.jsonl
+
+    def close(self) -> None:
+        self.file.close()
+        self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 # ----------------------------------------------------------------------------- models

@@ -21,7 +21,6 @@ The chat is causal, so one forward pass per trajectory gives V and Q of every st
 from __future__ import annotations
 
 import copy
-import json
 import math
 import random
 import time
@@ -32,9 +31,11 @@ from typing import Literal
 
 import torch
 import tyro
+from peft import get_peft_model
 from tqdm import tqdm
 
 import common
+from tools import critic_eval
 
 
 @dataclass
@@ -53,7 +54,7 @@ class Args:
     gae_lambda: float = 0.95
     tau: float = 0.005
     """Polyak rate of the target Q head"""
-    process_reward: str = "gae"
+    process_reward: Literal["gae", "gae_aux", "q_minus_v", "shaping"] = "gae"
     """gae (r_env) | gae_aux (r_env + r_aux) | q_minus_v | shaping (r_env + γV' − V): Table 4's rows"""
     no_weights: bool = False
     """plain IQL, w_t = 1 (Table 3's 'w/o W-IQL')"""
@@ -102,6 +103,8 @@ class Args:
     (the targets of eqs. 2 and 5, the exact fit, the process rewards): a departure. Without it a looping episode
     that the step cap cut, whose states look alike, bootstraps from itself: V reached 8 where no return exceeds 1,
     and BPPO learned that episode's premature `focus on`"""
+    track: bool = False
+    """also log to Weights & Biases (metrics.jsonl and TensorBoard events in --out always)"""
     seed: int = 1
     threads: int | None = None
 
@@ -309,60 +312,6 @@ def process_rewards(traj: dict, V: torch.Tensor, Q: torch.Tensor, args: Args) ->
     return r_env + args.gamma * V_next - V  # shaping
 
 
-def auc(pos: list[float], neg: list[float]) -> float:
-    """P(score of a success > score of a failure), ties counted half (Mann-Whitney U)."""
-    if not pos or not neg:
-        return float("nan")
-    return sum((p > n) + 0.5 * (p == n) for p in pos for n in neg) / (len(pos) * len(neg))
-
-
-def correlation(xs: list[float], ys: list[float]) -> float:
-    """Pearson's r; nan when either side is constant."""
-    x, y = torch.tensor(xs, dtype=torch.float64), torch.tensor(ys, dtype=torch.float64)
-    x, y = x - x.mean(), y - y.mean()
-    denom = (x.norm() * y.norm()).item()
-    return (x @ y).item() / denom if denom > 0 else float("nan")
-
-
-def first_state_ceiling(tasks: list, success: list[bool]) -> float:
-    """The highest AUC any function of the first state can reach: V_0 is the same for every attempt at one
-    task (same prompt, same first observation), so the best it can do is rank tasks by their success rate.
-    Hybrid data caps it: an expert success and a policy failure on one task always tie."""
-    groups = defaultdict(list)
-    for task, ok in zip(tasks, success):
-        groups[task].append(ok)
-    rate = {task: sum(oks) / len(oks) for task, oks in groups.items()}
-    return auc([rate[t] for t, ok in zip(tasks, success) if ok], [rate[t] for t, ok in zip(tasks, success) if not ok])
-
-
-def value_record(traj: dict, V: torch.Tensor, gamma: float) -> tuple:
-    """What value_report needs of one trajectory, V given for its steps: task, success, V_0, mean V, and V and
-    the discounted return-to-go of r_env + r_aux (what V regresses on; GAE with V = 0, λ = 1) at every step."""
-    return ((traj["env"], traj["task"], traj["variation"]), traj["success"], float(V[0]), float(V.mean()),
-            V.tolist(), returns_to_go(traj, gamma).tolist())
-
-
-def value_report(records: list[tuple]) -> dict:
-    """How V ranks successes above failures (AUC of V_0 and of V averaged over the states, beside the first
-    state's ceiling) and how it fits the returns (Pearson's r, state by state) on these value_records."""
-    tasks, ok, first, average, vs, returns = zip(*records) if records else ((),) * 6
-
-    def ranked(scores):
-        return auc([x for x, y in zip(scores, ok) if y], [x for x, y in zip(scores, ok) if not y])
-
-    return {"trajectories": len(records), "successes": sum(ok), "auc_v0": ranked(first),
-            "auc_v0_ceiling": first_state_ceiling(tasks, ok), "auc_mean_v": ranked(average),
-            "return_corr": correlation([v for x in vs for v in x], [g for x in returns for g in x])}
-
-
-def describe(figures: dict) -> str:
-    """A value_report as one line."""
-    return (f"{figures['trajectories']} trajectories ({figures['successes']} successes); AUC success vs failure: "
-            f"V_0 {figures['auc_v0']:.3f} (the most any function of the first state could reach here: "
-            f"{figures['auc_v0_ceiling']:.3f}), V averaged over the states {figures['auc_mean_v']:.3f}; "
-            f"correlation of V with the discounted return, state by state: {figures['return_corr']:.3f}")
-
-
 # ----------------------------------------------------------------------------- checkpoints
 
 
@@ -392,54 +341,36 @@ def load_critic(checkpoint: str, load_in_4bit: bool | None = None):
     return model, load_heads(checkpoint, base.config.hidden_size).to(base.device), tok
 
 
-# ----------------------------------------------------------------------------- main
-
-
 def main() -> None:
     args = tyro.cli(Args)
-    if args.process_reward not in ("gae", "gae_aux", "q_minus_v", "shaping"):
-        raise common.UserError(f"--process-reward {args.process_reward!r}: use gae, gae_aux, q_minus_v or shaping")
     if args.threads:
         torch.set_num_threads(args.threads)
     common.seed_everything(args.seed)
+    rng = random.Random(args.seed)
     trajs = common.read_jsonl(args.data)
     common.require_step_field(trajs, args.data, "aux_reward", "relabel.py")
-    base_model = common.read_meta(args.policy, "policy")["base_model"]
-
-    rng = random.Random(args.seed)
-    order = list(range(len(trajs)))
-    rng.shuffle(order)
-    n_held = round(args.heldout_frac * len(trajs)) if len(trajs) >= 10 else 0
-    held, train = set(order[:n_held]), order[n_held:]
+    train, held = split(len(trajs), args, rng)
     bounds = return_range([trajs[j] for j in train], args.gamma) if args.clip_values else None
     if bounds:
         print(f"V and Q kept within the training data's returns [{bounds[0]:.3f}, {bounds[1]:.3f}] (--clip-values)")
-
-    from peft import get_peft_model
-    base, tok = common.load_base(base_model, args.load_in_4bit, args.grad_ckpt)
+    model, heads, tok, base_model = build_critic(args)
     encoded = [encode(tok, t) for t in trajs]
     for t, (ids, _, _) in zip(trajs, encoded):
-        common.check_length(args.data, t["id"], ids.shape[1], args.max_length, base)
-    model = get_peft_model(base, common.lora_config(args.lora_r, args.lora_alpha, 0.0), adapter_name="critic")
-    heads = Heads(base.config.hidden_size).to(base.device)
+        common.check_length(args.data, t["id"], ids.shape[1], args.max_length, model)
     optimizer = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.requires_grad], "lr": args.lr},
                                    {"params": list(heads.v.parameters()) + list(heads.q.parameters()),
                                     "lr": args.head_lr}])
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     common.save_args(out, args)
     resume = common.Resume(
         out, args, lambda: {**{n: p for n, p in model.named_parameters() if p.requires_grad},
                             **{f"heads.{k}": v for k, v in heads.state_dict().items()}},  # Q̄ included
         optimizer, None, lambda d: save_critic(model, heads, d, base_model))
     step = resume.load()
-    metrics = resume.metrics()
+    tracker = common.Tracker(out / "metrics.jsonl", out, args, resumed_step=step)
     n_steps = math.ceil(len(train) / args.grad_accum) * args.epochs
-    reach = 1 - (1 - args.tau) ** n_steps  # IQL's 0.005 assumes ~10^6 steps; a few dozen leave Q̄ near its init
-    if reach < 0.8:
-        print(f"note: --tau {args.tau} over {n_steps} steps moves the target Q head only {reach:.0%} of the way "
-              f"to Q, and V (eq. 1) learns from Q̄; --tau {min(1.0, 2 / n_steps):.2g} would reach at least 86%")
+    note_target_rate(args.tau, n_steps)
     model.train()  # gradient checkpointing is only active in train mode (dropout is 0 in the critic)
     bar = tqdm(total=n_steps, initial=step, desc="critic", unit="step")
     transitions, t0 = 0, time.time()
@@ -452,7 +383,7 @@ def main() -> None:
             logs = defaultdict(float)
             for j in group:
                 V, Q, Q_target = values(model, heads, *encoded[j], args.bf16)
-                loss, parts = iql_loss(trajs[j], V, Q, Q_target, args, bounds)
+                loss, parts = iql_loss(trajs[j], V, Q, Q_target, args, bounds)  # eqs. 1, 2, 4, 5
                 (loss / n_trans).backward()  # mean over the step's transitions
                 for k, v in parts.items():
                     logs[k] += v / n_trans
@@ -464,64 +395,96 @@ def main() -> None:
             optimizer.zero_grad(set_to_none=True)
             heads.update_target(args.tau)
             step, transitions = step + 1, transitions + n_trans
-            metrics.write(json.dumps({"step": step, "epoch": epoch, **logs,
-                                      "transitions_per_s": transitions / (time.time() - t0)}) + "\n")
-            metrics.flush()
+            tracker.log(step, losses=dict(logs),
+                        charts={"epoch": epoch, "transitions_per_s": transitions / (time.time() - t0)})
             resume.step_done(step)
             bar.set_postfix(loss_q=f"{logs['loss_q']:.4f}", loss_v=f"{logs['loss_v']:.4f}")
             bar.update()
     bar.close()
-    metrics.close()
 
     model.eval()
     with torch.no_grad():
         feats = [features(model, *e, args.bf16) for e in tqdm(encoded, desc="features", unit="traj")]
-    refit = {}
-    if args.refit_rounds:
-        refit = fit_heads(heads, [feats[j] for j in train], [trajs[j] for j in train], args, bounds)
-        print(f"heads fitted exactly on the critic's features ({args.refit_rounds} rounds of fitted IQL): loss_q "
-              f"{refit['loss_q']:.4f}, loss_v {refit['loss_v']:.4f}, the last round moved V by at most "
-              f"{refit['last_round_change']:.2g}")
+    refit = fit_heads(heads, [feats[j] for j in train], [trajs[j] for j in train], args, bounds) \
+        if args.refit_rounds else {}
     save_critic(model, heads, out, base_model)
     resume.done()
 
-    # Process rewards for every trajectory, and the first check that V learned something: V of successes against
-    # failures (AUC), at the first state and averaged over the states, on the trajectories the critic trained on
-    # and on those it never saw (--heldout-frac). And whether V fits what it regresses on: its correlation, state
-    # by state, with the discounted return-to-go of the same rewards (GAE with V = 0 and λ = 1 is that return).
-    scored, v0 = [], defaultdict(lambda: {"success": [], "failure": []})
-    seen = {"train": [], "heldout": []}  # value_records
-    with torch.no_grad():
-        for k, traj in enumerate(trajs):
-            V, Q, _ = (clip(x.cpu(), bounds) for x in heads(*feats[k]))
-            adv = process_rewards(traj, V, Q, args)
-            V = V[:len(traj["steps"])]
-            steps = [{**s, "value": float(V[t]), "advantage": float(adv[t])} for t, s in enumerate(traj["steps"])]
-            scored.append({**traj, "steps": steps})
-            v0[(traj["env"], traj["source"])]["success" if traj["success"] else "failure"].append(float(V[0]))
-            seen["heldout" if k in held else "train"].append(value_record(traj, V, args.gamma))
+    scored, V = score(trajs, feats, heads, args, bounds)  # eq. 6, from the heads as saved
     out_data = Path(args.out_data or out / "scored.jsonl")
     out_data.parent.mkdir(parents=True, exist_ok=True)
     common.write_jsonl(out_data, scored)
-
-    def mean(xs):
-        return sum(xs) / len(xs) if xs else float("nan")
-
-    print(f"{'env':<10} {'source':<7} {'V_0 success':>12} {'V_0 failure':>12} {'n':>6}")
-    for (env, source), g in sorted(v0.items()):
-        print(f"{env:<10} {source:<7} {mean(g['success']):>12.3f} {mean(g['failure']):>12.3f} "
-              f"{len(g['success']) + len(g['failure']):>6}")
-    report = {"process_reward": args.process_reward, **{f"refit_{k}": v for k, v in refit.items()},
-              "value_bounds": bounds}
-    for part, rows in seen.items():
-        figures = value_report(rows)
-        report |= {part: len(rows), f"{part}_successes": figures["successes"],
-                   f"return_corr_{part}": figures["return_corr"],
-                   **{f"{part}_{k}": figures[k] for k in ("auc_v0", "auc_v0_ceiling", "auc_mean_v")}}
-        if rows:
-            print(f"{part:>8}: {describe(figures)}")
-    common.write_json(out / "eval.json", report)
+    report(out, tracker, step, trajs, V, held, refit, bounds, args)
+    tracker.close()
     print(f"critic written to {out}; scored trajectories to {out_data}")
+
+
+# ----------------------------------------------------------------------------- set-up and report
+@torch.no_grad()
+def score(trajs: list[dict], feats: list, heads: Heads, args: Args, bounds) -> tuple[list[dict], list[torch.Tensor]]:
+    """Every trajectory with each step's `value` and `advantage` (--process-reward), and each one's V."""
+    scored, values_ = [], []
+    for t, f in zip(trajs, feats):
+        V, Q, _ = (clip(x.cpu(), bounds) for x in heads(*f))
+        adv = process_rewards(t, V, Q, args)
+        scored.append({**t, "steps": [{**s, "value": float(V[i]), "advantage": float(adv[i])}
+                                      for i, s in enumerate(t["steps"])]})
+        values_.append(V)
+    return scored, values_
+
+
+def split(n: int, args: Args, rng: random.Random) -> tuple[list[int], set[int]]:
+    """Indices of the trajectories trained on, and of those held out (--heldout-frac; none below 10)."""
+    order = list(range(n))
+    rng.shuffle(order)
+    n_held = round(args.heldout_frac * n) if n >= 10 else 0
+    return order[n_held:], set(order[:n_held])
+
+
+def build_critic(args: Args):
+    """The policy's base model with a fresh LoRA adapter `critic`, and zero-initialised heads."""
+    base_model = common.read_meta(args.policy, "policy")["base_model"]
+    base, tok = common.load_base(base_model, args.load_in_4bit, args.grad_ckpt)
+    model = get_peft_model(base, common.lora_config(args.lora_r, args.lora_alpha, 0.0), adapter_name="critic")
+    return model, Heads(base.config.hidden_size).to(base.device), tok, base_model
+
+
+def note_target_rate(tau: float, n_steps: int) -> None:
+    reach = 1 - (1 - tau) ** n_steps  # IQL's 0.005 assumes ~10^6 steps; a few dozen leave Q̄ near its init
+    if reach < 0.8:
+        print(f"note: --tau {tau} over {n_steps} steps moves the target Q head only {reach:.0%} of the way "
+              f"to Q, and V (eq. 1) learns from Q̄; --tau {min(1.0, 2 / n_steps):.2g} would reach at least 86%")
+
+
+def report(out: Path, tracker: common.Tracker, step: int, trajs: list[dict], V: list[torch.Tensor], held: set[int],
+           refit: dict, bounds, args: Args) -> None:
+    """The first check that V learned something, printed and in OUT/eval.json: mean V_0 of successes and
+    failures per env and source, and on the trajectories trained on and on those held out how V ranks
+    successes above failures and fits the returns it regresses on (tools/critic_eval.py)."""
+    if refit:
+        print(f"heads fitted exactly on the critic's features ({args.refit_rounds} rounds of fitted IQL): loss_q "
+              f"{refit['loss_q']:.4f}, loss_v {refit['loss_v']:.4f}, the last round moved V by at most "
+              f"{refit['last_round_change']:.2g}")
+    groups, parts = defaultdict(lambda: ([], [])), {"train": [], "heldout": []}
+    for k, t in enumerate(trajs):
+        v = V[k][:len(t["steps"])]
+        groups[(t["env"], t["source"])][0 if t["success"] else 1].append(float(v[0]))
+        parts["heldout" if k in held else "train"].append(
+            critic_eval.value_record(t, v, returns_to_go(t, args.gamma)))
+    print(f"{'env':<10} {'source':<7} {'V_0 success':>12} {'V_0 failure':>12} {'n':>6}")
+    for (env, source), (won, lost) in sorted(groups.items()):
+        print(f"{env:<10} {source:<7} {critic_eval.mean(won):>12.3f} {critic_eval.mean(lost):>12.3f} "
+              f"{len(won) + len(lost):>6}")
+    figures = {"process_reward": args.process_reward, **{f"refit_{k}": v for k, v in refit.items()},
+               "value_bounds": bounds}
+    for part, rows in parts.items():
+        f = critic_eval.value_report(rows)
+        figures |= {part: len(rows), f"{part}_successes": f["successes"], f"return_corr_{part}": f["return_corr"],
+                    **{f"{part}_{k}": f[k] for k in ("auc_v0", "auc_v0_ceiling", "auc_mean_v")}}
+        if rows:
+            print(f"{part:>8}: {critic_eval.describe(f)}")
+            tracker.scalars(step, eval={f"{part}_{k}": f[k] for k in ("auc_v0", "auc_mean_v", "return_corr")})
+    common.write_json(out / "eval.json", figures)
 
 
 if __name__ == "__main__":

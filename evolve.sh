@@ -125,6 +125,13 @@ evaluate() {
 
 expert=$RUN/0/expert/train.jsonl
 select+=(--seed "$SEED") bc_extra+=(--seed "$SEED") critic_flags+=(--seed "$SEED") bppo_flags+=(--seed "$SEED")
+# Every stage writes metrics.jsonl and TensorBoard events (`tensorboard --logdir RUN` shows the whole loop);
+# TRACK=1 also logs them to Weights & Biases (pip install wandb; WANDB_MODE=offline needs no account), one W&B
+# run per stage, grouped by RUN. Tracking changes no result, so it is no setting.
+if [ "${TRACK:-0}" = 1 ]; then
+  select+=(--track) bc_extra+=(--track) critic_flags+=(--track) bppo_flags+=(--track)
+  export WANDB_RUN_GROUP=${WANDB_RUN_GROUP:-$(basename "$RUN")}
+fi
 stage "$RUN/0/expert" python collect.py "${select[@]}" --policy expert --split train "${demo_tasks[@]}" --out "$expert"
 stage "$RUN/0/bc" python bc.py --data "$expert" --model "$MODEL" --epochs "$BC_EPOCHS" --grad-accum "$BC_ACCUM" --out "$RUN/0/bc" \
   "${bc_extra[@]}"

@@ -19,6 +19,15 @@ def run_script(*argv: str, check: bool = True, timeout: float = 600) -> subproce
     return proc
 
 
+def tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar tag of the TensorBoard events in folder, as TensorBoard reads them (a resumed run's purged
+    steps dropped): {tag: [(step, value), ...]}."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
 @pytest.fixture(scope="session")
 def sciworld():
     from envs import make_env

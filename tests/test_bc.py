@@ -1,10 +1,11 @@
 """bc.py end to end on the tiny model: it learns, writes a loadable policy, and fails loudly on bad input."""
 import json
 
+import pytest
 import torch
 
 import common
-from conftest import run_script
+from conftest import run_script, tensorboard_scalars
 
 
 def test_bc_lowers_nll_and_writes_a_reloadable_policy(sciworld_expert, tmp_path):
@@ -21,6 +22,12 @@ def test_bc_lowers_nll_and_writes_a_reloadable_policy(sciworld_expert, tmp_path)
     assert args["model"] == "tiny" and args["epochs"] == 4
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 8 and metrics[-1]["loss"] < metrics[0]["loss"]
+    # TensorBoard holds the same curve under losses/ and charts/, and the held-out NLL under eval/
+    scalars = tensorboard_scalars(out)
+    assert [s for s, _ in scalars["losses/loss"]] == list(range(1, 9))
+    assert [v for _, v in scalars["losses/loss"]] == pytest.approx([m["loss"] for m in metrics], rel=1e-6)
+    assert {"charts/lr", "charts/tokens_per_s", "eval/heldout_nll_after"} <= scalars.keys()
+    assert scalars["eval/heldout_nll_after"][0][1] == pytest.approx(result["heldout_nll_after"], rel=1e-6)
 
     # The checkpoint reloads onto a fresh base and scores actions exactly as eval.json says.
     model, tok, base = common.load_policy(str(out))

@@ -8,7 +8,7 @@ import torch
 
 import bppo
 import common
-from conftest import run_script
+from conftest import run_script, tensorboard_scalars
 
 
 def test_bppo_loss_by_hand():
@@ -74,6 +74,9 @@ def test_update_raises_positive_and_lowers_negative_actions(objective, bf16, tin
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     # η = 1 at the first step: π_old's log-probs come from the same computation as the update's, bf16 or not
     assert len(metrics) == 3 and metrics[0]["approx_kl"] == pytest.approx(0.0, abs=1e-6)
+    scalars = tensorboard_scalars(out)
+    assert [s for s, _ in scalars["losses/loss"]] == [1, 2, 3]
+    assert [v for _, v in scalars["charts/clip_frac"]] == pytest.approx([m["clip_frac"] for m in metrics], abs=1e-6)
     assert sum_logp(out, good) > sum_logp(tiny_policy, good)
     if objective == "bppo":  # AWR has no way to push an action down: that is the paper's point
         assert sum_logp(out, bad) < sum_logp(tiny_policy, bad)

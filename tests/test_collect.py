@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import common
-from conftest import run_script
+from conftest import run_script, tensorboard_scalars
 
 
 def test_expert_export_is_schema_valid_react(sciworld_expert):
@@ -77,6 +77,12 @@ def test_several_splits_share_one_run_and_each_keeps_its_file(tiny_policy, tmp_p
         summary = json.loads((tmp_path / "both" / f"{split}.summary.json").read_text())
         assert summary["split"] == split and summary["episodes"] == 2
         assert f"| webshop {split} |" in proc.stdout
+    # TensorBoard beside the files: each episode under charts/, each split's greedy result under eval/
+    scalars = tensorboard_scalars(tmp_path / "both" / "seen_unseen.logs")
+    assert [s for s, _ in scalars["charts/episode_reward"]] == [1, 2, 3, 4]
+    for split in ("seen", "unseen"):
+        summary = json.loads((tmp_path / "both" / f"{split}.summary.json").read_text())
+        assert scalars[f"eval/{split}_reward_x100"] == [(0, pytest.approx(summary["reward_x100"]))]
     bad = run_script(*argv, "--split", "seen", "unseen", "--out", str(tmp_path / "one.jsonl"), check=False)
     assert bad.returncode == 2 and "--out must hold {split}" in bad.stderr and "Traceback" not in bad.stderr
 
@@ -158,6 +164,9 @@ def test_killed_rollout_resumes_without_duplicates(tiny_policy, tmp_path):
     run_script(*argv[1:])
     after = [t["id"] for t in common.read_jsonl(out)]
     assert after[:len(before)] == before and len(after) == len(set(after)) == 6
+    # the per-episode curve goes on from where the killed run stopped, no step twice
+    steps = [s for s, _ in tensorboard_scalars(tmp_path / "killed.logs")["charts/episode_reward"]]
+    assert steps == sorted(set(steps)) and steps[-1] == 6 and len(steps) >= 5
 
 
 def test_step_caps_paper_by_default_etos_with_its_prompt():

@@ -232,3 +232,62 @@ def test_documented_layouts_of_the_real_records(source, layout, tmp_path):
     path = tmp_path / layout  # AgentGym's file name does not name the env: the id does
     path.write_text("".join(json.dumps(r) + "\n" for r in records) if layout.endswith(".jsonl") else json.dumps(records))
     assert common.read_jsonl(path) == common.read_jsonl(EXPERT_FILES / source)
+
+
+def test_tracker_keeps_jsonl_and_tensorboard_in_step_and_drops_what_a_resumed_run_redoes(tmp_path):
+    from dataclasses import dataclass
+
+    from conftest import tensorboard_scalars
+
+    @dataclass
+    class Args:
+        lr: float = 0.1
+        track: bool = False
+
+    tracker = common.Tracker(tmp_path / "metrics.jsonl", tmp_path, Args())
+    for step in (1, 2, 3):
+        tracker.log(step, losses={"loss": 1.0 / step}, charts={"lr": 0.1})
+    tracker.scalars(3, eval={"auc": 0.75})
+    tracker.close()
+    # the run was killed after step 3 with its resume state at step 2: step 3 is redone, with another value
+    tracker = common.Tracker(tmp_path / "metrics.jsonl", tmp_path, Args(), resumed_step=2)
+    tracker.log(3, losses={"loss": 0.2}, charts={"lr": 0.1})
+    tracker.close()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines == [{"step": 1, "loss": 1.0, "lr": 0.1}, {"step": 2, "loss": 0.5, "lr": 0.1},
+                     {"step": 3, "loss": 0.2, "lr": 0.1}]
+    scalars = tensorboard_scalars(tmp_path)
+    assert scalars["losses/loss"] == [(1, 1.0), (2, 0.5), (3, pytest.approx(0.2))]
+    assert [s for s, _ in scalars["charts/lr"]] == [1, 2, 3] and scalars.get("eval/auc", []) == []  # purged
+
+
+def test_track_logs_to_weights_and_biases_or_says_how_to_install_it(tmp_path, monkeypatch):
+    import sys
+    import types
+    from dataclasses import dataclass
+
+    @dataclass
+    class Args:
+        lr: float = 0.1
+        track: bool = True
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+    with pytest.raises(common.UserError, match="pip install wandb"):
+        common.Tracker(tmp_path / "m.jsonl", tmp_path, Args())
+    calls = []
+
+    class Run:
+        def finish(self):
+            calls.append("finish")
+
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: calls.append(kw) or Run()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setenv("WANDB_PROJECT", "qevolve-test")
+    tracker = common.Tracker(tmp_path / "m.jsonl", tmp_path / "tb", Args())
+    tracker.log(1, losses={"loss": 0.5})
+    tracker.close()
+    init = calls[0]
+    # W&B mirrors the TensorBoard events (so both show the same curves) and keeps the run's flags as its config
+    assert init["project"] == "qevolve-test" and init["sync_tensorboard"] and init["config"] == {"lr": 0.1, "track": True}
+    assert calls[-1] == "finish"

@@ -7,7 +7,8 @@ import torch
 
 import common
 import critic
-from conftest import run_script
+from conftest import run_script, tensorboard_scalars
+from tools import critic_eval
 
 
 def test_iql_weights_by_hand():
@@ -202,26 +203,26 @@ def test_one_forward_per_trajectory_equals_one_per_step(tiny, sciworld_expert):
 
 
 def test_auc():
-    assert critic.auc([0.9, 0.8], [0.1, 0.2]) == 1.0
-    assert critic.auc([0.1], [0.9]) == 0.0
-    assert critic.auc([0.5], [0.5]) == 0.5
+    assert critic_eval.auc([0.9, 0.8], [0.1, 0.2]) == 1.0
+    assert critic_eval.auc([0.1], [0.9]) == 0.0
+    assert critic_eval.auc([0.5], [0.5]) == 0.5
 
 
 def test_correlation_by_hand():
-    assert critic.correlation([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0)
-    assert critic.correlation([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert critic_eval.correlation([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0)
+    assert critic_eval.correlation([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
     # x = (-1, 0, 1), y = (1, -2, 1) after centring: x·y = 0
-    assert critic.correlation([0, 1, 2], [1, -2, 1]) == pytest.approx(0.0)
-    assert math.isnan(critic.correlation([1, 1], [0, 1]))
+    assert critic_eval.correlation([0, 1, 2], [1, -2, 1]) == pytest.approx(0.0)
+    assert math.isnan(critic_eval.correlation([1, 1], [0, 1]))
 
 
 def test_first_state_ceiling_by_hand():
     # task a: one success, one failure (rate 1/2); b: two failures (0); c: one success (1). Successes a, c
     # against failures a, b, b: a-a ties (1/2), a beats both b's (2), c beats all three (3): 5.5 / 6.
     tasks, ok = ["a", "a", "b", "b", "c"], [True, False, False, False, True]
-    assert critic.first_state_ceiling(tasks, ok) == 5.5 / 6
+    assert critic_eval.first_state_ceiling(tasks, ok) == 5.5 / 6
     # expert success and policy failure on the same task: nothing about the first state tells them apart
-    assert critic.first_state_ceiling(["a", "a", "b", "b"], [True, False, True, False]) == 0.5
+    assert critic_eval.first_state_ceiling(["a", "a", "b", "b"], [True, False, True, False]) == 0.5
 
 
 def test_critic_cli_trains_saves_and_reloads(tiny_policy, sciworld_expert, tmp_path):
@@ -236,6 +237,10 @@ def test_critic_cli_trains_saves_and_reloads(tiny_policy, sciworld_expert, tmp_p
     assert all("value" in s and "advantage" in s for t in scored for s in t["steps"])
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 4 and all(m["loss_q"] >= 0 for m in metrics)
+    scalars = tensorboard_scalars(out)  # the losses as TensorBoard curves, the critic's diagnostics under eval/
+    for loss in ("loss_q", "loss_v"):
+        assert scalars[f"losses/{loss}"] == [(m["step"], pytest.approx(m[loss], rel=1e-6)) for m in metrics]
+    assert {"charts/transitions_per_s", "eval/train_auc_v0"} <= scalars.keys()
     model, heads, tok = critic.load_critic(str(out))
     ids, v_pos, q_pos = critic.encode(tok, scored[0])
     with torch.no_grad():

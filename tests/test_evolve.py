@@ -8,7 +8,7 @@ import time
 from collections import Counter
 
 import common
-from conftest import ROOT
+from conftest import ROOT, tensorboard_scalars
 
 
 def evolve(run, **env) -> subprocess.Popen:
@@ -47,6 +47,11 @@ def test_smoke_loop_survives_a_kill_and_reports(tmp_path):
     # where the time went: each stage's marker holds its own seconds (the killed collect's only its second run)
     assert all((run / "1" / stage / ".done").read_text().startswith("seconds ") for stage in ("collect", "bppo"))
     assert "minutes per stage of" in out and "| critic |  |" in out and "| **all** |" in out
+    # `tensorboard --logdir RUN` shows the loop: the evaluations over the iterations, each stage's own curves
+    loop = tensorboard_scalars(run / "loop")
+    assert [step for step, _ in loop["eval/unseen_reward_x100"]] == [0, 1, 2]
+    assert all("losses/loss" in tensorboard_scalars(run / str(it) / "bppo") for it in (1, 2))
+    assert "losses/loss_q" in tensorboard_scalars(run / "1" / "critic")
 
 
 def test_smoke_loop_with_etos_prompt(tmp_path):
@@ -124,6 +129,10 @@ def test_variants_seed_and_last_only_evaluation(tmp_path):
     assert (f"--init {tmp_path}/r/1/rft --data {tmp_path}/r/0/expert/train.jsonl {tmp_path}/r/2/collect/self.jsonl "
             f"--successes-only {same}") in rft["2/rft"]
     assert f"--policy {tmp_path}/r/1/rft" in rft["2/collect"]
+    # TRACK=1: every stage but relabel also logs to W&B, grouped by the run; tracking is no setting
+    tracked = stages(SEED="7", TRACK="1")
+    assert all((" --track" in line) == ("relabel" not in stage) for stage, line in tracked.items())
+    assert "TRACK" not in dry_run(TRACK="1").split("DRY_RUN=1")[0]
     for bad, message in (({"VARIANT": "ppo"}, "VARIANT=ppo: use qevolve"), ({"EVAL": "some"}, "EVAL=some: use")):
         proc = subprocess.run(["bash", "evolve.sh"], cwd=ROOT, env={**os.environ, "DRY_RUN": "1", **bad},
                               capture_output=True, text=True, timeout=60)

@@ -16,7 +16,7 @@ import pytest
 from safetensors.torch import load_file
 
 import common
-from conftest import ROOT, run_script
+from conftest import ROOT, run_script, tensorboard_scalars
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,6 @@ BAD_INPUT = [
     ("bc: not a model", "bc.py --data {expert} --model {not_a_model} --out {out}",
      "--model {not_a_model}: cannot load a causal LM"),
     ("bc: longer than the context", "bc.py --data {expert} --model tiny --max-length 64 --out {out}", "tokens > 64"),
-    ("collect: unknown env", "collect.py --env minecraft --out {out}/x.jsonl", "unknown env 'minecraft'"),
     ("collect: no checkpoint", "collect.py --env sciworld --policy {missing} --out {out}/x.jsonl",
      "{missing}: not a policy checkpoint (no qevolve.json in it)"),
     ("collect: a critic, not a policy", "collect.py --env sciworld --policy {critic} --out {out}/x.jsonl",
@@ -99,6 +98,20 @@ def test_bad_input_is_one_clear_line(files, case, argv, message):
     assert message.format(**files) in last, last
 
 
+@pytest.mark.parametrize("argv,flag,choices", [
+    ("collect.py --env minecraft --out x.jsonl", "--env", "sciworld"),
+    ("collect.py --env sciworld --split test --out x.jsonl", "--split", "unseen"),
+    ("critic.py --data x --policy y --process-reward td", "--process-reward", "q_minus_v"),
+    ("bppo.py --data x --policy y --reference y --objective ppo", "--objective", "awr"),
+])
+def test_a_flag_outside_its_choices_is_refused_with_the_choices(argv, flag, choices):
+    """Flags with a fixed set of values are Literal: tyro refuses others before anything runs, listing them."""
+    proc = run_script(*argv.split(), check=False, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    text = " ".join(proc.stderr.replace("│", " ").split())
+    assert f"for argument '{flag}'" in text and choices in text, text
+
+
 def stage_argv(stage: str, files: dict, out: Path) -> list[str]:
     common_flags = ["--out", str(out), "--epochs", "3", "--grad-accum", "1", "--save-every", "1", "--threads", "1"]
     return {"bc": ["bc.py", "--data", files["expert"], "--eval-data", files["expert"], "--model", "tiny"],
@@ -134,6 +147,10 @@ def test_sigkill_at_a_random_step_then_rerun_gives_the_uninterrupted_result(file
     out = run_script(*stage_argv(stage, files, killed)).stdout
     assert "resuming from" in out
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(1, steps + 1))
+    # TensorBoard drops the killed run's events past its resume state: one point per step, as uninterrupted
+    curves = tensorboard_scalars(killed)
+    assert {tag: [s for s, _ in points] for tag, points in curves.items() if tag.startswith("losses/")} == \
+        {tag: list(range(1, steps + 1)) for tag in tensorboard_scalars(whole) if tag.startswith("losses/")}
     want, got = weights(stage, whole), weights(stage, killed)
     assert want.keys() == got.keys() and all((want[k] == got[k]).all() for k in want)
     assert not (killed / "resume").exists()

@@ -4,7 +4,8 @@
     python tools/results.py runs/evolve-sciworld 2
 
 Reads RUN/<iter>/eval/{seen,unseen}.summary.json (collect.py's evaluation summaries) and, for the
-environment steps each policy cost to train, RUN/<iter>/collect/self.summary.json.
+environment steps each policy cost to train, RUN/<iter>/collect/self.summary.json; writes the same figures as
+TensorBoard curves over the iterations into RUN/loop/.
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ def main(run: Path, iters: int) -> None:
     table = "\n".join(lines) + "\n" + note
     (run / "results.md").write_text(table)
     print(table)
+    write_curves(run, rows)
 
     try:
         import matplotlib
@@ -71,6 +73,23 @@ def main(run: Path, iters: int) -> None:
     fig.savefig(tmp, format="png", dpi=120)
     tmp.rename(run / "results.png")
     print(f"wrote {run / 'results.md'} and {run / 'results.png'}")
+
+
+def write_curves(run: Path, rows: list[dict]) -> None:
+    """The same figures as TensorBoard curves over the iterations, in RUN/loop/ (rewritten each time), beside
+    the stages' own curves: `tensorboard --logdir RUN`."""
+    import shutil
+
+    from torch.utils.tensorboard import SummaryWriter
+    shutil.rmtree(run / "loop", ignore_errors=True)
+    writer = SummaryWriter(str(run / "loop"))
+    for r in rows:
+        it = 0 if r["name"] == "BC" else int(r["name"].split()[1])
+        for split in ("seen", "unseen"):
+            writer.add_scalar(f"eval/{split}_reward_x100", r[split]["reward_x100"], it)
+            writer.add_scalar(f"eval/{split}_success_pct", 100 * r[split]["success_rate"], it)
+        writer.add_scalar("charts/train_env_steps", r["train_steps"], it)
+    writer.close()
 
 
 if __name__ == "__main__":
