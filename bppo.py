@@ -24,7 +24,9 @@ import torch
 import tyro
 from tqdm import tqdm
 
+import chat
 import common
+import models
 
 
 @dataclass
@@ -118,7 +120,7 @@ def main() -> None:
     out = Path(args.out)
     common.save_args(out, args)
     resume = common.Resume(out, args, lambda: {n: p for n, p in model.named_parameters() if ".policy." in n},
-                           optimizer, None, lambda d: common.save_policy(model, d, base_model))
+                           optimizer, None, lambda d: models.save_policy(model, d, base_model))
     step = resume.load()
     tracker = common.Tracker(out / "metrics.jsonl", out, args, resumed_step=step)
     bar = tqdm(total=math.ceil(len(batches) / args.grad_accum) * args.epochs, initial=step, desc=args.objective,
@@ -135,7 +137,7 @@ def main() -> None:
             for b in group:
                 ids, mask = b["ids"].to(dev), b["mask"].to(dev)
                 adv = ((b["adv"] - mean) / (std + 1e-8)).to(dev) * mask
-                logp, entropy = common.action_logprobs(model, ids, torch.ones_like(ids), mask, True, args.bf16)
+                logp, entropy = models.action_logprobs(model, ids, torch.ones_like(ids), mask, True, args.bf16)
                 old, ref = b["logp_old"].to(dev), b["logp_ref"].to(dev)
                 if args.objective == "bppo":  # eq. 7
                     loss = bppo_loss(logp, old, adv, mask, args.eps_low, args.eps_high)
@@ -160,7 +162,7 @@ def main() -> None:
             bar.update()
     bar.close()
     tracker.close()
-    common.save_policy(model, out, base_model)
+    models.save_policy(model, out, base_model)
     resume.done()
     print(f"policy written to {out / 'policy'} after {step} steps")
 
@@ -169,9 +171,9 @@ def main() -> None:
 def load_models(args: Args):
     """One base, two adapters: `policy` (trainable, starts as π_old) and `ref` (frozen π_ref). In iteration 1
     π_old is π_ref (both the BC checkpoint): then one adapter, and one pass gives both log-probabilities."""
-    ref_base = common.read_meta(args.reference, "policy")["base_model"]
+    ref_base = models.read_meta(args.reference, "policy")["base_model"]
     same_ref = Path(args.policy).resolve() == Path(args.reference).resolve()
-    model, tok, base_model = common.load_policy(args.policy, args.load_in_4bit, trainable=True,
+    model, tok, base_model = models.load_policy(args.policy, args.load_in_4bit, trainable=True,
                                                 grad_ckpt=args.grad_ckpt)
     if ref_base != base_model:
         raise common.UserError(f"--reference {args.reference}: a policy on another base model than {base_model}")
@@ -184,8 +186,8 @@ def encode(trajs: list[dict], tok, model, args: Args) -> list[dict]:
     """Per trajectory: token ids, the action mask, each action token's advantage, and the steps' advantages."""
     batches = []
     for t in trajs:
-        ids, spans = common.tokenize_steps(tok, t)
-        common.check_length(args.data, t["id"], len(ids), args.max_length, model)
+        ids, spans = chat.tokenize_steps(tok, t)
+        models.check_length(args.data, t["id"], len(ids), args.max_length, model)
         mask = torch.zeros(1, len(ids), dtype=torch.long)
         adv = torch.zeros(1, len(ids))
         for (s, e), step in zip(spans, t["steps"]):
@@ -203,7 +205,7 @@ def old_and_ref_logprobs(model, batches: list[dict], same_ref: bool, args: Args)
     for name, key in [("policy", "logp_old")] + ([] if same_ref else [("ref", "logp_ref")]):
         model.set_adapter(name)
         for b in tqdm(batches, desc=f"log π_{'old' if name == 'policy' else 'ref'}", unit="traj"):
-            b[key] = common.action_logprobs(model, b["ids"].to(dev), torch.ones_like(b["ids"]).to(dev),
+            b[key] = models.action_logprobs(model, b["ids"].to(dev), torch.ones_like(b["ids"]).to(dev),
                                             b["mask"].to(dev), bf16=args.bf16).cpu()
             if same_ref:
                 b["logp_ref"] = b[key]

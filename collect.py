@@ -34,7 +34,9 @@ import torch
 import tyro
 from tqdm import tqdm
 
+import chat
 import common
+import models
 from envs import ENVS, Task, TextEnv, make_env
 from rollout import Conversation, Engine, Reranker, env_step, for_rollouts, trajectory
 from envs.sciworld import eto_task_name
@@ -60,7 +62,7 @@ class Args:
     max_steps: int | None = None
     """step cap per episode (default: the paper's, ScienceWorld 24 / ALFWorld 30 / WebShop 10; with --prompt eto
     ETO's: ALFWorld 40, WebShop 10, ScienceWorld 10-120 by task)"""
-    prompt: Literal[common.PROMPTS] = "short"
+    prompt: Literal[chat.PROMPTS] = "short"
     """short (our system prompt) | eto (ETO's instruction and one-shot example, the paper's protocol); expert
     data and the policy's rollouts must use the same"""
     temperature: float = 0.7
@@ -104,11 +106,11 @@ def step_cap(args: Args, env: TextEnv, task: Task, paper_cap: int) -> int:
 
 @functools.cache
 def eto_sciworld_caps() -> dict[str, int]:
-    table = json.loads((common.ETO_DIR / "data_sciworld_max_steps.json").read_text())
+    table = json.loads((chat.ETO_DIR / "data_sciworld_max_steps.json").read_text())
     return {eto_task_name(name): cap for name, cap in table.items()}
 
 
-def play_expert(env: TextEnv, task: Task, traj_id: str, iteration: int, prompt: common.Prompt) -> dict | None:
+def play_expert(env: TextEnv, task: Task, traj_id: str, iteration: int, prompt: chat.Prompt) -> dict | None:
     """One expert episode as a trajectory; None when the expert's path is longer than the step cap."""
     obs0, info = env.reset(task)
     if (env.expert_steps() or 0) > env.max_steps:
@@ -119,7 +121,7 @@ def play_expert(env: TextEnv, task: Task, traj_id: str, iteration: int, prompt: 
         action = env.expert_action()
         if action is None:
             break
-        text = common.react(env.think(action), action)
+        text = chat.react(env.think(action), action)
         messages.append({"role": "assistant", "content": text})
         step, step_info = env_step(env, text, t)
         score, won = step_info["score"], step_info["won"]
@@ -164,12 +166,12 @@ def main() -> None:
     done_ids = {t["id"] for out in outs.values() if out.exists() for t in common.read_jsonl(out, allow_empty=True)}
     reranker = None
     if args.policy != "expert":
-        model, tok, base_model = common.load_policy(args.policy, args.load_in_4bit)
+        model, tok, base_model = models.load_policy(args.policy, args.load_in_4bit)
         if args.rerank_with:
             reranker = Reranker(args.rerank_with, model, base_model)
         model.eval()
     envs = [make_env(args.env) for _ in range(1 if args.policy == "expert" else args.num_envs)]
-    prompt, paper_cap = common.Prompt(args.prompt, args.env, envs[0].system_prompt), envs[0].max_steps
+    prompt, paper_cap = chat.Prompt(args.prompt, args.env, envs[0].system_prompt), envs[0].max_steps
     tasks = {split: select_tasks(envs[0], split, args) for split in args.split}
     for out in outs.values():
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -201,7 +203,7 @@ def main() -> None:
     if args.policy == "expert":
         skipped = play_experts(envs[0], pending, extra, args, prompt, paper_cap, record, bar)
     else:
-        limit = common.length_limit(args.max_length, model)
+        limit = models.length_limit(args.max_length, model)
         model = for_rollouts(model, merge=args.merge_lora and reranker is None)
 
         def episode(task: Task, traj_id: str, env: TextEnv) -> Conversation:  # on whichever environment is free
@@ -226,7 +228,7 @@ def main() -> None:
     tracker.close()
 
 
-def play_experts(env: TextEnv, pending: list, extra: dict, args: Args, prompt: common.Prompt, paper_cap: int,
+def play_experts(env: TextEnv, pending: list, extra: dict, args: Args, prompt: chat.Prompt, paper_cap: int,
                  record, bar) -> int:
     """The expert's episodes, successes recorded; a task whose expert path is longer than the cap is skipped
     (with --num-tasks the split's next task takes its place). Returns the number skipped."""

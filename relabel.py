@@ -22,12 +22,13 @@ from typing import Literal
 
 import tyro
 
+import chat
 import common
 from envs import ENVS
 
 # Paper defaults (fmt, inv, repeat) of the relabelling rules (eq. 3): WebShop sets the last two to 0.
 PENALTIES = {"alfworld": (-0.3, -0.2, -0.1), "sciworld": (-0.3, -0.2, -0.1), "webshop": (-0.3, 0.0, 0.0)}
-# Format-error observations: ours (common.FORMAT_ERROR) and ETO's wrappers' two spellings.
+# Format-error observations: ours (chat.FORMAT_ERROR) and ETO's wrappers' two spellings.
 FORMAT_TEXTS = ("Invalid format.", "Error Input. Your input must contains 'Action: '")
 # Each environment's own rejection texts, as its engine writes them (docs/stages.md, Relabel).
 INVALID_TEXTS = {
@@ -63,7 +64,7 @@ def _clean(observation: str) -> str:
 
 def fired_rule(text: str, observation: str, previous: str, env: str) -> str | None:
     obs = _clean(observation)
-    if common.parse_action(text) is None or obs.startswith(FORMAT_TEXTS):
+    if chat.parse_action(text) is None or obs.startswith(FORMAT_TEXTS):
         return "format"
     if obs.startswith(INVALID_TEXTS[env]):
         return "invalid"

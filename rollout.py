@@ -33,7 +33,9 @@ from typing import Callable, Iterable, Iterator
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+import chat
 import common
+import models
 from envs import Task, TextEnv
 
 if not torch.cuda.is_available():
@@ -51,9 +53,9 @@ def trajectory(env: TextEnv, task: Task, traj_id: str, source: str, iteration: i
 
 def env_step(env: TextEnv, text: str, t: int) -> tuple[dict, dict | None]:
     """One turn: parse the answer, act (or report a format error), return the step record."""
-    action = common.parse_action(text)
+    action = chat.parse_action(text)
     if action is None:  # no action: the project's format-error observation, and the turn counts
-        obs, reward, done, info = common.FORMAT_ERROR, 0.0, t + 1 >= env.max_steps, None
+        obs, reward, done, info = chat.FORMAT_ERROR, 0.0, t + 1 >= env.max_steps, None
     else:
         obs, reward, done, info = env.step(action)
     step = {"text": text, "action": action, "observation": obs, "env_reward": reward, "done": done,
@@ -65,9 +67,9 @@ class Conversation:
     """One episode in flight: its chat, its steps and the tokens the model has seen so far."""
 
     def __init__(self, env: TextEnv, task: Task, traj_id: str, tokenizer, room: int, limit: int,
-                 prompt: common.Prompt):
+                 prompt: chat.Prompt):
         """room: the most tokens the chat may hold before the next answer (limit less one answer); limit: the
-        longest chat the training stages take (common.length_limit)."""
+        longest chat the training stages take (models.length_limit)."""
         self.env, self.task, self.traj_id, self.tok, self.prompt = env, task, traj_id, tokenizer, prompt
         self.room, self.limit = room, limit
         self.obs0, self.info = env.reset(task)
@@ -75,7 +77,7 @@ class Conversation:
         self.steps: list[dict] = []
         self.score, self.won, self.done, self.ended = self.info.get("score", 0.0), False, False, False
         self.too_long = False  # cut because the chat reached the length limit
-        self.ids = common.tokenize_chat(tokenizer, self.messages, add_generation_prompt=True)[0]
+        self.ids = chat.tokenize_chat(tokenizer, self.messages, add_generation_prompt=True)[0]
         if len(self.ids) > room:
             raise common.UserError(f"{task.key}: the first prompt has {len(self.ids)} tokens, more than the "
                                    f"{room} that leave room for an answer (--max-length less --max-new-tokens, "
@@ -86,8 +88,8 @@ class Conversation:
         when the chat template changes the answer's text (the chat must then be prefilled anew).
 
         The answer stays as the model generated it (it is in the KV cache already); the text around it is
-        tokenized segment by segment, as common.tokenize_chat does for training."""
-        segments = common.chat_segments(self.tok, self.messages, add_generation_prompt=True)
+        tokenized segment by segment, as chat.tokenize_chat does for training."""
+        segments = chat.chat_segments(self.tok, self.messages, add_generation_prompt=True)
         last = max(i for i, (_, is_answer) in enumerate(segments) if is_answer)
         piece = segments[last][0]
         for content in (answer, answer.strip()):
@@ -122,7 +124,7 @@ class Conversation:
         """The finished episode. An ended task's chat ends with the last answer; a cut episode's keeps the
         state after it (the last observation and the generation prompt) if the training stages can read it."""
         self.steps[-1]["done"] = True
-        if self.ended or len(common.tokenize_chat(self.tok, self.messages, add_generation_prompt=True)[0]) > self.limit:
+        if self.ended or len(chat.tokenize_chat(self.tok, self.messages, add_generation_prompt=True)[0]) > self.limit:
             self.messages.pop()
         traj = trajectory(self.env, self.task, self.traj_id, "policy", iteration, self.info,
                           self.obs0, self.messages, self.steps, self.score, self.won)
@@ -422,7 +424,7 @@ class Engine:
                         ended.append(s)
                         yield conv
                     elif suffix is None:  # the template rewrote the answer: this chat is prefilled anew
-                        conv.ids = common.tokenize_chat(self.tok, conv.messages, add_generation_prompt=True)[0]
+                        conv.ids = chat.tokenize_chat(self.tok, conv.messages, add_generation_prompt=True)[0]
                         blocks[s] = None
                     else:
                         blocks[s] = 0, answers[k][-1:] * unfed[k] + suffix
@@ -443,11 +445,11 @@ class Engine:
                         blocks[s] = self._enter(s, convs[s])
 
 
-def play_one(env: TextEnv, task: Task, traj_id: str, model, tok, prompt: common.Prompt, max_new_tokens: int,
+def play_one(env: TextEnv, task: Task, traj_id: str, model, tok, prompt: chat.Prompt, max_new_tokens: int,
              max_length: int = 4096) -> dict:
     """ETO's evaluation loop, the reference: one episode at a time, the whole chat prefilled again every turn
     with transformers' generate, greedy. The engine plays the same episodes (tests, bench/rollout_speed.py)."""
-    limit = common.length_limit(max_length, model)
+    limit = models.length_limit(max_length, model)
     conv = Conversation(env, task, traj_id, tok, limit - max_new_tokens, limit, prompt)
     stop = stop_tokens(model, tok)
     with torch.no_grad():
@@ -461,7 +463,7 @@ def play_one(env: TextEnv, task: Task, traj_id: str, model, tok, prompt: common.
             conv.act(text)
             if not conv.done:
                 conv.grow(answer)  # the length check only; the next prompt is the chat tokenized anew
-                conv.ids = common.tokenize_chat(tok, conv.messages, add_generation_prompt=True)[0]
+                conv.ids = chat.tokenize_chat(tok, conv.messages, add_generation_prompt=True)[0]
     return conv.result(0)
 
 
@@ -474,7 +476,7 @@ class Reranker:
 
     def __init__(self, checkpoint: str, model, base_model: str):
         from critic import load_heads
-        meta = common.read_meta(checkpoint, "critic")
+        meta = models.read_meta(checkpoint, "critic")
         if meta["base_model"] != base_model:
             raise common.UserError(f"--rerank-with {checkpoint}: a critic on {meta['base_model']}, the policy is on "
                                    f"{base_model}")
@@ -487,7 +489,7 @@ class Reranker:
         """Q of each candidate answer after the chat `messages` (which ends with the current observation)."""
         rows = []
         for text in texts:
-            ids, spans = common.tokenize_chat(tok, messages + [{"role": "assistant", "content": text}])
+            ids, spans = chat.tokenize_chat(tok, messages + [{"role": "assistant", "content": text}])
             rows.append(ids[:spans[-1][1]])  # up to the answer's end-of-turn token, where Q is read
         ids, mask = left_pad(rows, tok.pad_token_id)
         dev = self.model.device

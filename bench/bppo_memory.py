@@ -34,22 +34,22 @@ SHARED = PRELUDE + """script, sys.argv = sys.argv[1], sys.argv[1:]
 runpy.run_path(script, run_name="__main__")
 """ + REPORT
 SEPARATE = PRELUDE + """sys.path.insert(0, ".")
-import bppo, common
+import bppo, chat, common, models
 data, policy = sys.argv[1], sys.argv[2]
 trajs = common.read_jsonl(data)
-pi, tok, _ = common.load_policy(policy, trainable=True, grad_ckpt=True)
-old, _, _ = common.load_policy(policy)
-ref, _, _ = common.load_policy(policy)
+pi, tok, _ = models.load_policy(policy, trainable=True, grad_ckpt=True)
+old, _, _ = models.load_policy(policy)
+ref, _, _ = models.load_policy(policy)
 opt = torch.optim.AdamW([p for p in pi.parameters() if p.requires_grad], lr=1e-5)
 for t in trajs:
-    ids, spans = common.tokenize_steps(tok, t)
+    ids, spans = chat.tokenize_steps(tok, t)
     ids = torch.tensor([ids]); attn = torch.ones_like(ids); mask = torch.zeros_like(ids); adv = torch.zeros(ids.shape)
     for (s, e), step in zip(spans, t["steps"]):
         mask[0, s:e], adv[0, s:e] = 1, step["advantage"]
     with torch.no_grad():
-        lp_old = common.action_logprobs(old, ids, attn, mask)
-        lp_ref = common.action_logprobs(ref, ids, attn, mask)
-    lp = common.action_logprobs(pi, ids, attn, mask)
+        lp_old = models.action_logprobs(old, ids, attn, mask)
+        lp_ref = models.action_logprobs(ref, ids, attn, mask)
+    lp = models.action_logprobs(pi, ids, attn, mask)
     loss = bppo.bppo_loss(lp, lp_old, adv, mask, 0.8, 0.4) + 0.05 * (bppo.kl_estimate(lp, lp_ref) * mask).sum() / mask.sum()
     loss.backward()
 opt.step()
@@ -66,14 +66,15 @@ class Args:
 def main() -> None:
     args = tyro.cli(Args)
     import common
+    import models
     from peft import get_peft_model
 
     from gpu_memory import measure, synthetic_trajectories
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model, tok = common.load_base(args.model)
-        model = get_peft_model(model, common.lora_config(16, 32, 0.0), adapter_name="policy")
-        common.save_policy(model, work / "policy", args.model)
+        model, tok = models.load_base(args.model)
+        model = get_peft_model(model, models.lora_config(16, 32, 0.0), adapter_name="policy")
+        models.save_policy(model, work / "policy", args.model)
         del model
         trajs = synthetic_trajectories(tok, args.num_trajs, args.tokens)
         for i, t in enumerate(trajs):  # advantages of both signs, as critic.py writes them

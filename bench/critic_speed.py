@@ -19,6 +19,7 @@ import tyro
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+import models  # noqa: E402
 import critic  # noqa: E402
 import relabel  # noqa: E402
 
@@ -27,7 +28,7 @@ import relabel  # noqa: E402
 class Args:
     data: str | None = None
     """relabelled JSONL; default: expert trajectories of --num-trajs ScienceWorld train tasks, relabelled here"""
-    model: str = common.DEFAULT_MODEL
+    model: str = models.DEFAULT_MODEL
     num_trajs: int = 6
     threads: int | None = None
     seed: int = 1
@@ -61,8 +62,8 @@ def train(step_fn, trajs, encoded, cargs, model_name: str, seed: int) -> tuple[f
     """(seconds, transitions, loss of each trajectory) of one optimizer step per trajectory on a fresh critic."""
     from peft import get_peft_model
     common.seed_everything(seed)
-    base, _ = common.load_base(model_name, None, grad_ckpt=True)
-    model = get_peft_model(base, common.lora_config(16, 32, 0.0), adapter_name="critic")
+    base, _ = models.load_base(model_name, None, grad_ckpt=True)
+    model = get_peft_model(base, models.lora_config(16, 32, 0.0), adapter_name="critic")
     model.train()  # as critic.py: gradient checkpointing is only active in train mode
     heads = critic.Heads(base.config.hidden_size)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad] + list(heads.parameters()))
@@ -89,7 +90,7 @@ def main() -> None:
                  for t in common.read_jsonl(path)[:args.num_trajs]]
     cargs = critic.Args(data="-", policy="-")
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(common.resolve_model(args.model))  # the tokenizer alone, not a model
+    tok = AutoTokenizer.from_pretrained(models.resolve_model(args.model))  # the tokenizer alone, not a model
     encoded = [critic.encode(tok, t) for t in trajs]
     tokens = sum(e[0].shape[1] for e in encoded)
     print(f"{len(trajs)} trajectories, {sum(len(t['steps']) for t in trajs)} transitions, {tokens} tokens, "

@@ -23,7 +23,9 @@ import tyro
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import chat  # noqa: E402
 import common  # noqa: E402
+import models  # noqa: E402
 import relabel  # noqa: E402
 
 SHAPES = {  # config fields changed on the default model's (Llama-architecture) config
@@ -61,7 +63,7 @@ class Args:
 def build_model(shape: str, out: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    base = common.resolve_model(common.DEFAULT_MODEL)
+    base = models.resolve_model(models.DEFAULT_MODEL)
     config = AutoConfig.from_pretrained(base)
     config.update(SHAPES[shape])
     torch.manual_seed(0)
@@ -79,23 +81,23 @@ def synthetic_trajectories(tok, n: int, tokens: int, steps: int = 8) -> list[dic
     def make(i: int, obs_words: int) -> dict:
         obs = [" ".join(words[(i + t + k) % len(words)] for k in range(obs_words)) for t in range(steps + 1)]
         instruction = "Your task is to boil water. First, focus on the substance."
-        messages = common.first_messages(SYSTEM_PROMPT, instruction, obs[0])
+        messages = chat.first_messages(SYSTEM_PROMPT, instruction, obs[0])
         out = []
         for t in range(steps):
-            text = common.react(f"I should look at step {t}.", "look around")
+            text = chat.react(f"I should look at step {t}.", "look around")
             messages.append({"role": "assistant", "content": text})
             last = t == steps - 1
             out.append({"text": text, "action": "look around", "observation": obs[t + 1],
                         "env_reward": float(last and i % 2 == 0), "done": last, "format_ok": True, "valid": True})
             if not last:
-                messages.append(common.observation_message(obs[t + 1]))
+                messages.append(chat.observation_message(obs[t + 1]))
         return {"id": f"sciworld/boil/{i}/synthetic", "env": "sciworld", "task": "boil", "variation": i,
                 "split": "train", "source": "policy", "iteration": 1, "instruction": instruction,
                 "initial_observation": obs[0], "messages": messages, "steps": out,
                 "reward": float(i % 2 == 0), "success": i % 2 == 0}
 
     def length(obs_words: int) -> int:
-        return len(common.tokenize_chat(tok, make(0, obs_words)["messages"])[0])
+        return len(chat.tokenize_chat(tok, make(0, obs_words)["messages"])[0])
 
     lo, hi = 1, 4 * tokens  # the longest observation that keeps the chat within `tokens`
     while lo < hi:
@@ -135,7 +137,7 @@ def main() -> None:
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(model_dir)
         trajs = synthetic_trajectories(tok, 4, args.tokens)
-        n_tokens = len(common.tokenize_chat(tok, trajs[0]["messages"])[0])
+        n_tokens = len(chat.tokenize_chat(tok, trajs[0]["messages"])[0])
         common.write_jsonl(work / "train.jsonl", trajs[:2])
         common.write_jsonl(work / "held.jsonl", trajs[2:3])
         common.write_jsonl(work / "hybrid.jsonl", [relabel.label_trajectory(t) for t in trajs])
@@ -160,7 +162,7 @@ def main() -> None:
                                "--out", str(work / "bppo")],
                       lambda sec: f"{last_metric(work / 'bppo' / 'metrics.jsonl', 'trajectories_per_s'):.2f} traj/s"),
         ]
-        longest = max(len(common.tokenize_chat(tok, t["messages"])[0])
+        longest = max(len(chat.tokenize_chat(tok, t["messages"])[0])
                       for t in common.read_jsonl(work / "collect.jsonl"))
 
     on_gpu = rows[0]["cuda"] is not None

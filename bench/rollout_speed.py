@@ -29,7 +29,8 @@ import tyro
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import common  # noqa: E402
+import chat  # noqa: E402
+import models  # noqa: E402
 import rollout  # noqa: E402
 from envs import make_env  # noqa: E402
 
@@ -80,7 +81,7 @@ def tasks_of(args: Args, env):
 
 def naive(args: Args, model, tok) -> tuple[float, list[dict]]:
     env = make_env(args.env, max_steps=args.max_steps)
-    prompt = common.Prompt("short", args.env, env.system_prompt)
+    prompt = chat.Prompt("short", args.env, env.system_prompt)
     t0, trajs = time.time(), []
     for task in tasks_of(args, env):
         trajs.append(rollout.play_one(env, task, task.key, model, tok, prompt, args.max_new_tokens))
@@ -91,8 +92,8 @@ def naive(args: Args, model, tok) -> tuple[float, list[dict]]:
 
 def engine(args: Args, model, tok) -> tuple[float, list[dict]]:
     envs = [make_env(args.env, max_steps=args.max_steps) for _ in range(args.num_envs)]
-    prompt = common.Prompt("short", args.env, envs[0].system_prompt)
-    limit = common.length_limit(4096, model)
+    prompt = chat.Prompt("short", args.env, envs[0].system_prompt)
+    limit = models.length_limit(4096, model)
 
     def episode(task, env):
         return rollout.Conversation(env, task, task.key, tok, limit - args.max_new_tokens, limit, prompt)
@@ -116,11 +117,11 @@ def generate_ceiling(args: Args, model, tok) -> float:
     """Decode tokens/s of the model's own batched generate: num_envs first prompts, greedy, every row forced to
     max_new_tokens, less the prefill (timed with one new token)."""
     env = make_env(args.env, max_steps=args.max_steps)
-    prompt = common.Prompt("short", args.env, env.system_prompt)
+    prompt = chat.Prompt("short", args.env, env.system_prompt)
     rows = []
     for task in tasks_of(args, env)[:args.num_envs]:
         obs, info = env.reset(task)
-        rows.append(common.tokenize_chat(tok, prompt.first(info["instruction"], obs), add_generation_prompt=True)[0])
+        rows.append(chat.tokenize_chat(tok, prompt.first(info["instruction"], obs), add_generation_prompt=True)[0])
     env.close()
     ids, mask = rollout.left_pad(rows, tok.pad_token_id)
 
@@ -142,7 +143,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     policy = args.policy or train_policy(args)
-    model, tok, _ = common.load_policy(policy)
+    model, tok, _ = models.load_policy(policy)
     model.eval()
     rows = []
     if not args.skip_naive:

@@ -50,9 +50,10 @@ def tiny_policy(tmp_path_factory) -> Path:
     from peft import get_peft_model
 
     import common
+    import models
     out = tmp_path_factory.mktemp("tiny_policy")
-    model, _ = common.load_base("tiny")
+    model, _ = models.load_base("tiny")
     common.seed_everything(0)  # LoRA's A matrices are random: the same checkpoint in every session
-    model = get_peft_model(model, common.lora_config(8, 16, 0.0), adapter_name="policy")
-    common.save_policy(model, out, "tiny")
+    model = get_peft_model(model, models.lora_config(8, 16, 0.0), adapter_name="policy")
+    models.save_policy(model, out, "tiny")
     return out

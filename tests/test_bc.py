@@ -4,7 +4,9 @@ import json
 import pytest
 import torch
 
+import chat
 import common
+import models
 from conftest import run_script, tensorboard_scalars
 
 
@@ -30,16 +32,16 @@ def test_bc_lowers_nll_and_writes_a_reloadable_policy(sciworld_expert, tmp_path)
     assert scalars["eval/heldout_nll_after"][0][1] == pytest.approx(result["heldout_nll_after"], rel=1e-6)
 
     # The checkpoint reloads onto a fresh base and scores actions exactly as eval.json says.
-    model, tok, base = common.load_policy(str(out))
+    model, tok, base = models.load_policy(str(out))
     assert base == "tiny"
     nll, count = 0.0, 0
     for traj in common.read_jsonl(sciworld_expert):
-        ids, spans = common.tokenize_chat(tok, traj["messages"])
+        ids, spans = chat.tokenize_chat(tok, traj["messages"])
         mask = torch.zeros(1, len(ids), dtype=torch.long)
         for s, e in spans:
             mask[0, s:e] = 1
         with torch.no_grad():
-            logp = common.action_logprobs(model, torch.tensor([ids]), torch.ones_like(mask), mask)
+            logp = models.action_logprobs(model, torch.tensor([ids]), torch.ones_like(mask), mask)
         nll, count = nll - logp.sum().item(), count + mask.sum().item()
     assert abs(nll / count - result["heldout_nll_after"]) < 1e-4
 
@@ -47,7 +49,7 @@ def test_bc_lowers_nll_and_writes_a_reloadable_policy(sciworld_expert, tmp_path)
 def test_policy_checkpoint_errors_are_clear(tmp_path):
     (tmp_path / "empty").mkdir()
     try:
-        common.load_policy(str(tmp_path / "empty"))
+        models.load_policy(str(tmp_path / "empty"))
     except common.UserError as e:
         assert "not a policy checkpoint" in str(e)
     else:
@@ -82,7 +84,7 @@ def test_init_continues_a_policy_for_a_set_number_of_steps(sciworld_expert, tmp_
     before, after = (load_file(str(d / "policy" / "adapter_model.safetensors")) for d in (first, still))
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert any(k.endswith("lora_B.weight") and before[k].abs().sum() > 0 for k in before)  # trained, not a fresh B=0
-    assert common.read_meta(still, "policy")["base_model"] == "tiny"
+    assert models.read_meta(still, "policy")["base_model"] == "tiny"
 
     proc = run_script("bc.py", "--init", str(first), "--data", str(tmp_path / "none.jsonl"), "--successes-only",
                       "--out", str(tmp_path / "o"), check=False)

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 import bppo
+import chat
 import common
+import models
 from conftest import run_script, tensorboard_scalars
 
 
@@ -44,13 +46,13 @@ def test_kl_estimate_and_awr():
 
 
 def sum_logp(checkpoint, traj):
-    model, tok, _ = common.load_policy(str(checkpoint))
-    ids, spans = common.tokenize_chat(tok, traj["messages"])
+    model, tok, _ = models.load_policy(str(checkpoint))
+    ids, spans = chat.tokenize_chat(tok, traj["messages"])
     mask = torch.zeros(1, len(ids), dtype=torch.long)
     for s, e in spans:
         mask[0, s:e] = 1
     with torch.no_grad():
-        return common.action_logprobs(model, torch.tensor([ids]), torch.ones_like(mask), mask).sum().item()
+        return models.action_logprobs(model, torch.tensor([ids]), torch.ones_like(mask), mask).sum().item()
 
 
 @pytest.mark.parametrize("objective,bf16", [("bppo", False), ("awr", False), ("bppo", True)])

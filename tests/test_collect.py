@@ -5,7 +5,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import chat
 import common
+import models
 from conftest import run_script, tensorboard_scalars
 
 
@@ -17,7 +19,7 @@ def test_expert_export_is_schema_valid_react(sciworld_expert):
         assert len(t["steps"]) <= 24
         for step, msg in zip(t["steps"], [m for m in t["messages"] if m["role"] == "assistant"]):
             assert msg["content"] == step["text"] and step["text"].startswith("Thought: ")
-            assert common.parse_action(step["text"]) == step["action"]
+            assert chat.parse_action(step["text"]) == step["action"]
     args = json.loads(sciworld_expert.with_suffix(".args.json").read_text())
     assert args["env"] == "sciworld" and args["num_tasks"] == 2
 
@@ -42,9 +44,9 @@ def test_engine_plays_the_episodes_of_etos_one_at_a_time_loop(tiny_policy, tmp_p
             "--max-steps", "4", "--max-new-tokens", "12", "--num-envs", "2"]
     run_script(*argv, "--out", str(tmp_path / "fast.jsonl"))
     fast = {t["id"]: t for t in common.read_jsonl(tmp_path / "fast.jsonl")}
-    model, tok, _ = common.load_policy(str(tiny_policy))
+    model, tok, _ = models.load_policy(str(tiny_policy))
     env = make_env(env_name, max_steps=4)
-    prompt = common.Prompt("short", env_name, env.system_prompt)
+    prompt = chat.Prompt("short", env_name, env.system_prompt)
     tasks = env.tasks("train")[:5]
     assert sorted(fast) == sorted(f"{t.key}/policy0" for t in tasks)
     for task in tasks:
@@ -55,7 +57,7 @@ def test_engine_plays_the_episodes_of_etos_one_at_a_time_loop(tiny_policy, tmp_p
     summary = json.loads((tmp_path / "fast.summary.json").read_text())
     assert summary["episodes"] == 5 and summary["env_steps"] == sum(len(t["steps"]) for t in fast.values())
     if env_name == "webshop":  # the untrained policy never buys: every episode is cut and keeps its last state
-        assert all(t["truncated"] and t["messages"][-1] == common.observation_message(t["steps"][-1]["observation"])
+        assert all(t["truncated"] and t["messages"][-1] == chat.observation_message(t["steps"][-1]["observation"])
                    for t in fast.values())
         # what collect.py writes, bc.py reads (policy data is schema-valid trajectories too)
         run_script("bc.py", "--data", str(tmp_path / "fast.jsonl"), "--model", "tiny", "--epochs", "1",
@@ -94,9 +96,9 @@ def test_engine_refills_slots_and_compacts_its_cache(tiny_policy):
 
     import rollout
     from envs import make_env
-    model, tok, _ = common.load_policy(str(tiny_policy))
+    model, tok, _ = models.load_policy(str(tiny_policy))
     envs = [make_env("webshop", max_steps=6) for _ in range(2)]
-    prompt = common.Prompt("short", "webshop", envs[0].system_prompt)
+    prompt = chat.Prompt("short", "webshop", envs[0].system_prompt)
     tasks = envs[0].tasks("train")[:4]
 
     def episode(task, env):
@@ -126,8 +128,8 @@ def test_chat_past_max_length_ends_the_episode(tiny_policy, tmp_path):
             "--temperature", "0", "--max-steps", "4", "--max-new-tokens", "12"]
     run_script(*argv, "--out", str(tmp_path / "full.jsonl"))
     full = common.read_jsonl(tmp_path / "full.jsonl")
-    tok = AutoTokenizer.from_pretrained(common.resolve_model("tiny"))
-    first = max(len(common.tokenize_chat(tok, t["messages"][:2], add_generation_prompt=True)[0]) for t in full)
+    tok = AutoTokenizer.from_pretrained(models.resolve_model("tiny"))
+    first = max(len(chat.tokenize_chat(tok, t["messages"][:2], add_generation_prompt=True)[0]) for t in full)
     limit = first + 12 + 4  # room for the first answer, not for the observation after it
     proc = run_script(*argv, "--max-length", str(limit), "--out", str(tmp_path / "cut.jsonl"))
     cut = common.read_jsonl(tmp_path / "cut.jsonl")
@@ -136,7 +138,7 @@ def test_chat_past_max_length_ends_the_episode(tiny_policy, tmp_path):
         assert t["truncated"] and len(t["steps"]) == 1 and t["steps"][0]["done"]
         # the state after the step does not fit: the chat ends with the answer
         assert t["steps"][0]["text"] == f["steps"][0]["text"] and t["messages"][-1]["role"] == "assistant"
-        assert len(common.tokenize_steps(tok, t)[0]) <= limit
+        assert len(chat.tokenize_steps(tok, t)[0]) <= limit
     assert "2 episodes ended early" in proc.stdout
     # the cut chats fit the training stages' own check at the same limit
     run_script("bc.py", "--data", str(tmp_path / "cut.jsonl"), "--model", "tiny", "--epochs", "1",
@@ -173,7 +175,7 @@ def test_step_caps_paper_by_default_etos_with_its_prompt():
     import collect
     from envs import Task
     from envs.sciworld import SciWorldEnv
-    table = json.loads((common.ETO_DIR / "data_sciworld_max_steps.json").read_text())
+    table = json.loads((chat.ETO_DIR / "data_sciworld_max_steps.json").read_text())
     boil, alf, shop = Task("sciworld", "boil", 0, "train"), Task("alfworld", "x", 0, "train"), Task("webshop", "x", 0, "train")
     env = SciWorldEnv()  # no engine is started to read a cap
     short, eto = (collect.Args(env="sciworld", out="-", prompt=p) for p in ("short", "eto"))
@@ -193,21 +195,21 @@ def test_an_ended_task_and_a_cut_episode_end_their_chats_differently():
     import critic
     import rollout
     from envs import make_env
-    tok = AutoTokenizer.from_pretrained(common.resolve_model("tiny"))
+    tok = AutoTokenizer.from_pretrained(models.resolve_model("tiny"))
     env = make_env("webshop")
     task = env.tasks("train")[0]
-    prompt = common.Prompt("short", "webshop", env.system_prompt)
+    prompt = chat.Prompt("short", "webshop", env.system_prompt)
     results = {}
     for cap in (10, 1):
         env.max_steps = cap
         conv = rollout.Conversation(env, task, "t", tok, 4000, 4096, prompt)
         while not conv.done:
-            conv.act(common.react("go on", env.expert_action()))
+            conv.act(chat.react("go on", env.expert_action()))
         results[cap] = conv.result(1)
     ended, cut = results[10], results[1]
     assert ended["success"] and not ended["truncated"] and ended["messages"][-1]["role"] == "assistant"
     assert cut["truncated"] and len(cut["steps"]) == 1 and not cut["success"]
-    assert cut["messages"][-1] == common.observation_message(cut["steps"][0]["observation"])
+    assert cut["messages"][-1] == chat.observation_message(cut["steps"][0]["observation"])
     common.validate_trajectory(cut)
     ids, v_pos, q_pos = critic.encode(tok, cut)
     assert len(v_pos) == 2 and len(q_pos) == 1 and v_pos[-1] == ids.shape[1] - 1
@@ -223,9 +225,9 @@ def test_reranker_plays_the_candidate_with_the_highest_q(tiny_policy, tmp_path):
 
     import critic
     import rollout
-    base, tok = common.load_base("tiny")
+    base, tok = models.load_base("tiny")
     common.seed_everything(3)
-    config = common.lora_config(8, 16, 0.0)
+    config = models.lora_config(8, 16, 0.0)
     config.init_lora_weights = False  # an adapter that changes the features: reading Q through it must matter
     model = get_peft_model(base, config, adapter_name="critic")
     heads = critic.Heads(base.config.hidden_size)
@@ -233,9 +235,9 @@ def test_reranker_plays_the_candidate_with_the_highest_q(tiny_policy, tmp_path):
         torch.nn.init.normal_(p)
     critic.save_critic(model, heads, tmp_path / "critic", "tiny")
 
-    policy, tok, base_model = common.load_policy(str(tiny_policy))
+    policy, tok, base_model = models.load_policy(str(tiny_policy))
     reranker = rollout.Reranker(str(tmp_path / "critic"), policy, base_model)
-    messages = common.first_messages("Act.", "Find the animal.", "You are in the kitchen.")
+    messages = chat.first_messages("Act.", "Find the animal.", "You are in the kitchen.")
     texts = ["Thought: look.\nAction: look around", "Thought: go.\nAction: open door to outside", "Action: wait",
              "Thought: look.\nAction: look around"]
     got = reranker.q_values(tok, messages, texts)
@@ -256,8 +258,8 @@ def test_collect_with_a_reranking_critic(tiny_policy, tmp_path):
     from peft import get_peft_model
 
     import critic
-    base, _ = common.load_base("tiny")
-    model = get_peft_model(base, common.lora_config(8, 16, 0.0), adapter_name="critic")
+    base, _ = models.load_base("tiny")
+    model = get_peft_model(base, models.lora_config(8, 16, 0.0), adapter_name="critic")
     critic.save_critic(model, critic.Heads(base.config.hidden_size), tmp_path / "critic", "tiny")
     argv = ["collect.py", "--env", "webshop", "--policy", str(tiny_policy), "--num-tasks", "2", "--num-envs", "2",
             "--max-steps", "2", "--max-new-tokens", "8", "--rerank-with", str(tmp_path / "critic")]

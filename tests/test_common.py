@@ -5,16 +5,18 @@ from pathlib import Path
 import pytest
 import torch
 
+import chat
 import common
+import models
 from conftest import run_script
 
 
 def test_parse_action():
-    assert common.parse_action("Thought: go.\nAction: go to kitchen") == "go to kitchen"
-    assert common.parse_action("Thought: x\nAction:  open door  \nObservation: y\nAction: no") == "open door"
-    assert common.parse_action("Thought: I will open the door.") is None
-    assert common.parse_action("Action:") is None
-    assert common.parse_action("") is None
+    assert chat.parse_action("Thought: go.\nAction: go to kitchen") == "go to kitchen"
+    assert chat.parse_action("Thought: x\nAction:  open door  \nObservation: y\nAction: no") == "open door"
+    assert chat.parse_action("Thought: I will open the door.") is None
+    assert chat.parse_action("Action:") is None
+    assert chat.parse_action("") is None
 
 
 def test_reader_names_file_line_and_field(sciworld_expert, tmp_path):
@@ -72,16 +74,16 @@ def test_append_then_read_round_trips(tmp_path, sciworld_expert):
 
 @pytest.fixture(scope="module")
 def tiny():
-    return common.load_base("tiny")
+    return models.load_base("tiny")
 
 
 def test_action_mask_covers_exactly_the_assistant_turns(tiny):
     _, tok = tiny
-    messages = common.first_messages("You act.", "boil water", "You are in the kitchen.")
+    messages = chat.first_messages("You act.", "boil water", "You are in the kitchen.")
     messages += [{"role": "assistant", "content": "Thought: hot.\nAction: open stove"},
-                 common.observation_message("The stove is open."),
+                 chat.observation_message("The stove is open."),
                  {"role": "assistant", "content": "Thought: wait.\nAction: wait"}]
-    ids, spans = common.tokenize_chat(tok, messages)
+    ids, spans = chat.tokenize_chat(tok, messages)
     decoded = [tok.decode(ids[s:e]) for s, e in spans]
     # Each span is the turn's text plus the template's end-of-turn marker, nothing of the prompt.
     # what the policy generates: the answer and its end-of-turn token, not the template's newline after it
@@ -97,7 +99,7 @@ def test_action_logprobs_match_a_full_softmax(tiny):
     mask = torch.zeros_like(ids)
     mask[0, 3:6], mask[1, 8:12] = 1, 1
     with torch.no_grad():
-        got = common.action_logprobs(model, ids, attn, mask)
+        got = models.action_logprobs(model, ids, attn, mask)
         full = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits.float(), -1)
     want = torch.zeros(2, 12)
     for b, i in zip(*mask.nonzero(as_tuple=True)):
@@ -117,9 +119,9 @@ def test_bf16_runs_the_decoder_in_bfloat16_and_the_heads_in_fp32(tiny):
              model.get_output_embeddings().register_forward_hook(lambda m, i, o: seen.__setitem__("head", i[0].dtype))]
     try:
         with torch.no_grad():
-            fp32 = common.action_logprobs(model, ids, torch.ones_like(ids), mask)
+            fp32 = models.action_logprobs(model, ids, torch.ones_like(ids), mask)
             assert seen == {"decoder": torch.float32, "head": torch.float32}
-            bf16 = common.action_logprobs(model, ids, torch.ones_like(ids), mask, bf16=True)
+            bf16 = models.action_logprobs(model, ids, torch.ones_like(ids), mask, bf16=True)
             assert seen == {"decoder": torch.bfloat16, "head": torch.float32}
     finally:
         for h in hooks:
@@ -170,27 +172,27 @@ def test_released_expert_files_are_read_with_prompt_turns_left_out(name):
         steps = answers[1:] if ACK[name] is not None else answers  # the acknowledgement is no step
         assert [s["text"] for s in traj["steps"]] == [turns[k][1] for k in steps]
         assert all(s["action"] and s["format_ok"] for s in traj["steps"])
-        task_turn = common.strip_observation(turns[steps[0] - 1][1])
+        task_turn = chat.strip_observation(turns[steps[0] - 1][1])
         assert traj["instruction"] == task_turn and ("Your task is to" in task_turn or "Instruction:" in task_turn)
         assert traj["env"] in name and traj["source"] == "expert" and traj["steps"][-1]["done"]
         assert traj["steps"][-1]["env_reward"] == traj["reward"] == record.get("reward", 1.0)
         assert [s["observation"] for s in traj["steps"][:-1]] == \
-            [common.strip_observation(turns[k + 1][1]) for k in steps[:-1]]
+            [chat.strip_observation(turns[k + 1][1]) for k in steps[:-1]]
         assert "format" not in [r for s in relabel.label_trajectory(traj)["steps"] for r in s["rules"]]
 
 
 def test_agent_answer_formats_parse():
-    assert common.parse_action("THOUGHT: the laptop is here.\n ACTION: take laptop 1 from bed 1") == \
+    assert chat.parse_action("THOUGHT: the laptop is here.\n ACTION: take laptop 1 from bed 1") == \
         "take laptop 1 from bed 1"
-    assert common.parse_action("Thought:\nI think I should buy it.\n\nAction:\nclick[Buy Now]") == "click[Buy Now]"
-    assert common.parse_action("action: look") == "look"
-    assert common.parse_action("Thought: x\nAction:\nObservation: y") is None  # a label is no action
+    assert chat.parse_action("Thought:\nI think I should buy it.\n\nAction:\nclick[Buy Now]") == "click[Buy Now]"
+    assert chat.parse_action("action: look") == "look"
+    assert chat.parse_action("Thought: x\nAction:\nObservation: y") is None  # a label is no action
 
 
 def test_eto_example_in_the_chat_is_prompt_and_json_list_errors_name_the_line(tiny, tmp_path):
     """ETO's own prompt (instruction, OK, one-shot example, task), as collect.py --prompt eto writes it."""
     task = "You are in the middle of a room. Looking quickly around you, you see a desk 1.\n\nYour task is to: x."
-    messages = common.Prompt("eto", "alfworld", "").first("x", task) + [
+    messages = chat.Prompt("eto", "alfworld", "").first("x", task) + [
         {"role": "assistant", "content": "Thought: go.\nAction: go to desk 1"},
         {"role": "user", "content": "Observation: On the desk 1, you see a mug 1."},
         {"role": "assistant", "content": "Thought: take it.\nAction: take mug 1 from desk 1"}]
@@ -203,7 +205,7 @@ def test_eto_example_in_the_chat_is_prompt_and_json_list_errors_name_the_line(ti
     assert [s["action"] for s in trajs[0]["steps"]] == ["go to desk 1", "take mug 1 from desk 1"]
     assert trajs[0]["instruction"] == task and trajs[0]["messages"] == messages
     _, tok = tiny  # the example's answers stay in the chat, but only the steps' answers are trained
-    ids, spans = common.tokenize_steps(tok, trajs[0])
+    ids, spans = chat.tokenize_steps(tok, trajs[0])
     assert [tok.decode(ids[s:e]).split("\n")[0] for s, e in spans] == ["Thought: go.", "Thought: take it."]
     records[1]["messages"] = records[1]["messages"][:1]
     path.write_text(json.dumps(records, indent=1))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import common
+import models
 import critic
 from conftest import run_script, tensorboard_scalars
 from tools import critic_eval
@@ -140,7 +141,7 @@ def test_clip_values_keeps_a_looping_cut_episode_within_the_data_returns():
 
 @pytest.fixture(scope="module")
 def tiny():
-    return common.load_base("tiny")
+    return models.load_base("tiny")
 
 
 def test_fit_heads_reaches_the_iql_fixed_point_by_hand():

@@ -7,7 +7,9 @@ import subprocess
 import time
 from collections import Counter
 
+import chat
 import common
+import models
 from conftest import ROOT, tensorboard_scalars
 
 
@@ -39,7 +41,7 @@ def test_smoke_loop_survives_a_kill_and_reports(tmp_path):
         assert len(ids) == 2 * 2 and max(ids.values()) == 1  # 2 tasks × 2 samples, none twice, none lost
         scored = common.read_jsonl(run / str(it) / "critic" / "scored.jsonl")
         assert all("advantage" in s for t in scored for s in t["steps"])
-        assert common.read_meta(run / str(it) / "bppo", "policy")["base_model"] == "tiny"
+        assert models.read_meta(run / str(it) / "bppo", "policy")["base_model"] == "tiny"
     table = (run / "results.md").read_text()
     for name in ("| BC |", "| Iter 1 |", "| Iter 2 |"):
         assert name in table and name in out
@@ -62,7 +64,7 @@ def test_smoke_loop_with_etos_prompt(tmp_path):
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, out
     instruction = (ROOT / "data" / "eto" / "prompt_instructions_sciworld_inst.txt").read_text()
-    example = common.eto_example("sciworld")
+    example = chat.eto_example("sciworld")
     for path in ("0/expert/train.jsonl", "1/collect/self.jsonl", "1/critic/scored.jsonl", "1/eval/seen.jsonl"):
         for t in common.read_jsonl(run / path):
             head = t["messages"][:3 + len(example)]

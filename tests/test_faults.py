@@ -16,6 +16,7 @@ import pytest
 from safetensors.torch import load_file
 
 import common
+import models
 from conftest import ROOT, run_script, tensorboard_scalars
 
 
@@ -154,7 +155,7 @@ def test_sigkill_at_a_random_step_then_rerun_gives_the_uninterrupted_result(file
     want, got = weights(stage, whole), weights(stage, killed)
     assert want.keys() == got.keys() and all((want[k] == got[k]).all() for k in want)
     assert not (killed / "resume").exists()
-    common.read_meta(killed, "critic" if stage == "critic" else "policy")
+    models.read_meta(killed, "critic" if stage == "critic" else "policy")
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_state(files, tmp_path):
@@ -166,7 +167,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_state(files, tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert last.startswith("error: non-finite loss at optimizer step 2") and "keeps the state of step 1" in last
     assert not (out / "qevolve.json").exists()  # the NaN weights were never written as the result
-    model, _, base = common.load_policy(str(out / "resume"))  # the last good state is a policy checkpoint
+    model, _, base = models.load_policy(str(out / "resume"))  # the last good state is a policy checkpoint
     assert base == "tiny" and all(p.isfinite().all() for p in model.parameters())
     # Rerunning with another learning rate must not silently mix two runs.
     proc = run_script(*argv[:-1], "1e-3", check=False)

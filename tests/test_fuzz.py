@@ -5,6 +5,7 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import chat
 import common
 import relabel
 
@@ -15,7 +16,7 @@ FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 @FUZZ
 @given(TEXT)
 def test_parse_action_on_any_text(text):
-    action = common.parse_action(text)
+    action = chat.parse_action(text)
     assert action is None or (action and "\n" not in action and action == action.strip() and action in text)
 
 
@@ -23,15 +24,15 @@ def test_parse_action_on_any_text(text):
 @given(st.text(alphabet=st.characters(codec="utf-8", exclude_characters="\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"),
                max_size=300).map(str.strip).filter(bool), TEXT.map(lambda t: t.replace("Action:", "")))
 def test_parse_action_finds_what_react_writes(action, thought):
-    assert common.parse_action(common.react(thought.replace("\n", " "), action)) == action
+    assert chat.parse_action(chat.react(thought.replace("\n", " "), action)) == action
 
 
 def trajectory(texts: list[str], observations: list[str], env: str) -> dict:
-    steps = [{"text": t, "action": common.parse_action(t), "observation": o, "env_reward": 0.0, "done": False,
-              "format_ok": common.parse_action(t) is not None, "valid": True} for t, o in zip(texts, observations)]
-    messages = common.first_messages("system", "u", observations[0] if observations else "")
+    steps = [{"text": t, "action": chat.parse_action(t), "observation": o, "env_reward": 0.0, "done": False,
+              "format_ok": chat.parse_action(t) is not None, "valid": True} for t, o in zip(texts, observations)]
+    messages = chat.first_messages("system", "u", observations[0] if observations else "")
     for t, o in zip(texts, observations):
-        messages += [{"role": "assistant", "content": t}, common.observation_message(o)]
+        messages += [{"role": "assistant", "content": t}, chat.observation_message(o)]
     return {"id": "fuzz/0", "env": env, "task": "t", "variation": 0, "split": "train", "source": "policy",
             "iteration": 1, "instruction": "u", "initial_observation": observations[0] if observations else "",
             "messages": messages[:-1], "steps": steps, "reward": 0.0, "success": False}

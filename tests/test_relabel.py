@@ -1,8 +1,8 @@
 """relabel.py's rules (paper eq. 3) on real feedback from the three real environments."""
-import json
 
 import pytest
 
+import chat
 import common
 import relabel
 from rollout import env_step, trajectory
@@ -13,13 +13,13 @@ from envs import make_env
 def play(env, task, texts):
     """Play the answers in `texts` on the real environment and return the trajectory collect.py would write."""
     obs0, info = env.reset(task)
-    messages = common.first_messages(env.system_prompt, info["instruction"], obs0)
+    messages = chat.first_messages(env.system_prompt, info["instruction"], obs0)
     steps = []
     for t, text in enumerate(texts):
         messages.append({"role": "assistant", "content": text})
         step, _ = env_step(env, text, t)
         steps.append(step)
-        messages.append(common.observation_message(step["observation"]))
+        messages.append(chat.observation_message(step["observation"]))
     return trajectory(env, task, f"{task.key}/policy0", "policy", 1, info, obs0, messages[:-1], steps, 0.0, False)
 
 

@@ -313,7 +313,7 @@ def report(records: dict[tuple[str, int], dict], variants: tuple[str, ...], out:
     last = next((row for row in reversed(rows) if row[0] == "qevolve"), None)
     others = [row for row in rows if row[0] not in ("bc", "qevolve")]
     if last and others:
-        lines += ["", f"Q-Evolve's last policy minus each baseline, paired by seed and task (reward ×100):", "",
+        lines += ["", "Q-Evolve's last policy minus each baseline, paired by seed and task (reward ×100):", "",
                   "| Q-Evolve minus | seen | unseen |", "|---|---|---|"]
         for _, name, outcomes in others:
             cells = [fmt(*bootstrap(paired(last[2][s], outcomes[s], "reward"), resamples, rng=rng), sign=True)

