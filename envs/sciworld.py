@@ -51,13 +51,15 @@ def eto_task_name(eto_name: str) -> str:
 
 def _patch_engine(heap: str, timeout: float) -> None:
     """Cap the JVM heap, and give every call into it a socket timeout, so that a hung engine raises instead
-    of blocking the whole run (the adapter then restarts it)."""
+    of blocking the whole run (the adapter then restarts it). No performance-data file either: py4j reads the
+    JVM's first line of output as its port, and a JVM whose /tmp/hsperfdata file is locked (a PID reused while a
+    killed JVM's file lingers) prints a warning there first, and the engine fails to start."""
     import scienceworld.scienceworld as sw
     from py4j.java_gateway import GatewayParameters
     launch = getattr(sw.launch_gateway, "original", sw.launch_gateway)
 
     def capped_launch(*args, **kwargs):
-        kwargs["javaopts"] = [f"-Xmx{heap}", "-XX:+UseSerialGC"]
+        kwargs["javaopts"] = [f"-Xmx{heap}", "-XX:+UseSerialGC", "-XX:-UsePerfData"]
         return launch(*args, **kwargs)
 
     def timed_parameters(*args, **kwargs):

@@ -1,4 +1,6 @@
 """The real ScienceWorld engine through our thin adapter."""
+from pathlib import Path
+
 import pytest
 
 from envs import Task, canonical_split
@@ -37,6 +39,16 @@ def test_step_cap_ends_the_episode(sciworld):
         _, _, done, info = sciworld.step("look around")
         assert done == (t == sciworld.max_steps - 1)
     assert not info["won"]
+
+
+def test_the_jvm_keeps_no_performance_data_file(sciworld):
+    """py4j reads the JVM's first output line as its port: a JVM that warns about a locked /tmp/hsperfdata file
+    (a killed JVM's file lingering under a reused PID) failed to start. Without the file there is no warning."""
+    import getpass
+    import tempfile
+    pid = sciworld.jvm().pid
+    assert not (Path(tempfile.gettempdir()) / f"hsperfdata_{getpass.getuser()}" / str(pid)).exists()
+    assert "-XX:-UsePerfData" in Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
 
 
 def test_dead_jvm_is_restarted_and_the_episode_replayed(capfd):
