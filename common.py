@@ -327,11 +327,11 @@ class Tracker:
     """
 
     def __init__(self, jsonl: str | os.PathLike, tb_dir: str | os.PathLike, args, resumed_step: int = 0):
-        self.path = Path(jsonl)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        lines = self.path.read_text().splitlines() if self.path.exists() else []
-        self.path.write_text("".join(f"{line}\n" for line in lines if json.loads(line)["step"] <= resumed_step))
-        self.file = open(self.path, "a")
+        path = Path(jsonl)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lines = path.read_text().splitlines() if path.exists() else []
+        path.write_text("".join(f"{line}\n" for line in lines if json.loads(line)["step"] <= resumed_step))
+        self.file = open(path, "a")
         flags = asdict(args)
         self.wandb = None
         if flags.get("track"):

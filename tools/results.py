@@ -20,20 +20,28 @@ def load(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def main(run: Path, iters: int) -> None:
-    rows, train_steps = [], 0
+def train_env_steps(run: Path, iters: int) -> list[int]:
+    """The environment steps the policy of each iteration 0..iters cost to train: the rollouts of iterations
+    1..it (sft plays none)."""
+    steps, total = [], 0
     for it in range(iters + 1):
         collected = run / str(it) / "collect" / "self.summary.json"
         if it and (collected.exists() or not (run / str(it) / "sft").exists()):
-            # the policy of iteration it was trained on the rollouts of iterations 1..it (sft plays none)
-            train_steps += load(collected)["env_steps"]
+            total += load(collected)["env_steps"]
+        steps.append(total)
+    return steps
+
+
+def main(run: Path, iters: int) -> None:
+    rows = []
+    for it, train_steps in enumerate(train_env_steps(run, iters)):
         if it not in (0, iters) and not (run / str(it) / "eval").exists():
             continue  # EVAL=last: BC and the last iteration only
         seen, unseen = (load(run / str(it) / "eval" / f"{s}.summary.json") for s in ("seen", "unseen"))
         name = "BC" if it == 0 else f"Iter {it}"
         if seen.get("rerank_with"):  # VARIANT=no_pi: the BC policy, the critic choosing among sampled answers
             name += f" (BC + critic's pick of {seen['candidates']})"
-        rows.append(dict(name=name, seen=seen, unseen=unseen, train_steps=train_steps))
+        rows.append(dict(iteration=it, name=name, seen=seen, unseen=unseen, train_steps=train_steps))
 
     lines = ["| policy | seen reward ×100 | seen success % | unseen reward ×100 | unseen success % "
              "| train env steps used |", "|---|---|---|---|---|---|"]
@@ -84,11 +92,10 @@ def write_curves(run: Path, rows: list[dict]) -> None:
     shutil.rmtree(run / "loop", ignore_errors=True)
     writer = SummaryWriter(str(run / "loop"))
     for r in rows:
-        it = 0 if r["name"] == "BC" else int(r["name"].split()[1])
         for split in ("seen", "unseen"):
-            writer.add_scalar(f"eval/{split}_reward_x100", r[split]["reward_x100"], it)
-            writer.add_scalar(f"eval/{split}_success_pct", 100 * r[split]["success_rate"], it)
-        writer.add_scalar("charts/train_env_steps", r["train_steps"], it)
+            writer.add_scalar(f"eval/{split}_reward_x100", r[split]["reward_x100"], r["iteration"])
+            writer.add_scalar(f"eval/{split}_success_pct", 100 * r[split]["success_rate"], r["iteration"])
+        writer.add_scalar("charts/train_env_steps", r["train_steps"], r["iteration"])
     writer.close()
 
 

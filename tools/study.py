@@ -35,6 +35,7 @@ import tyro
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
+from results import train_env_steps  # noqa: E402
 from stage_times import stage_seconds  # noqa: E402
 
 Variant = Literal["qevolve", "sft", "rft", "no_pi", "no_rr", "no_wiql", "no_gae", "awr"]
@@ -188,11 +189,8 @@ def read_outcomes(path: Path) -> dict[str, dict]:
 def make_record(variant: str, seed: int, env: dict, settings: str, shared: list[str], minutes: float) -> dict:
     run = Path(env["RUN"])
     iters = int(parse_settings(settings)["ITERS"])
-    policies, train_steps = [], 0
-    for it in range(iters + 1):
-        collected = run / str(it) / "collect" / "self.summary.json"
-        if it and collected.exists():
-            train_steps += json.loads(collected.read_text())["env_steps"]
+    policies = []
+    for it, train_steps in enumerate(train_env_steps(run, iters)):
         if (run / str(it) / "eval").is_dir():
             policies.append({"iteration": it, "train_env_steps": train_steps,
                              **{s: read_outcomes(run / str(it) / "eval" / f"{s}.jsonl") for s in SPLITS}})
