@@ -37,7 +37,7 @@ def run_stage(main) -> None:
 
 
 # ----------------------------------------------------------------------------- trajectory schema
-# One trajectory per JSONL line. Later stages add per-step fields (aux_reward, rules, value, advantage)
+# One trajectory per JSONL line. Later stages add per-step fields (aux_reward, rules, value, q, advantage)
 # without renaming these. collect.py writes "truncated": true for an episode the step cap or --max-length
 # cut before the task ended (absent: false), and keeps the state after its last step as a final user turn
 # when it fits (ends_with_state).

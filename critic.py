@@ -423,12 +423,13 @@ def main() -> None:
 # ----------------------------------------------------------------------------- set-up and report
 @torch.no_grad()
 def score(trajs: list[dict], feats: list, heads: Heads, args: Args, bounds) -> tuple[list[dict], list[torch.Tensor]]:
-    """Every trajectory with each step's `value` and `advantage` (--process-reward), and each one's V."""
+    """Every trajectory with each step's `value` V(s_t), `q` Q(s_t, a_t) and `advantage` (--process-reward), and
+    each one's V."""
     scored, values_ = [], []
     for t, f in zip(trajs, feats):
         V, Q, _ = (clip(x.cpu(), bounds) for x in heads(*f))
         adv = process_rewards(t, V, Q, args)
-        scored.append({**t, "steps": [{**s, "value": float(V[i]), "advantage": float(adv[i])}
+        scored.append({**t, "steps": [{**s, "value": float(V[i]), "q": float(Q[i]), "advantage": float(adv[i])}
                                       for i, s in enumerate(t["steps"])]})
         values_.append(V)
     return scored, values_

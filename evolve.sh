@@ -182,4 +182,6 @@ for it in $(seq 1 "$ITERS"); do
   policy=$d/bppo  # the policy continues from the last iteration's
   [ "$eval_it" = 1 ] && evaluate "$it" "$policy"
 done
-[ "${DRY_RUN:-0}" = 1 ] || { python tools/results.py "$RUN" "$ITERS" && python tools/stage_times.py "$RUN"; }
+# the results table and plot, where the time went, and RUN/report.html: the page to look inside the run
+[ "${DRY_RUN:-0}" = 1 ] || { python tools/results.py "$RUN" "$ITERS" && python tools/stage_times.py "$RUN" &&
+                             python tools/report.py "$RUN"; }

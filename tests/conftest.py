@@ -1,6 +1,8 @@
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import hypothesis  # noqa: F401  imported up front: its plugin's late import at the summary trips a CPython 3.11 AST bug when -k skips test_fuzz
@@ -57,3 +59,30 @@ def tiny_policy(tmp_path_factory) -> Path:
     model = get_peft_model(model, models.lora_config(8, 16, 0.0), adapter_name="policy")
     models.save_policy(model, out, "tiny")
     return out
+
+
+def evolve(run: Path, **env) -> subprocess.Popen:
+    """SMOKE=1 bash evolve.sh into run, with more settings; its output on stdout."""
+    return subprocess.Popen(["bash", "evolve.sh"], cwd=ROOT, env={**os.environ, "SMOKE": "1", "RUN": str(run), **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory) -> tuple[Path, str]:
+    """The smoke loop killed in the middle of iteration 1's rollouts and run again to the end, as a user would
+    after a crash: (RUN, the second run's output). test_evolve checks the loop, test_report its page."""
+    run = tmp_path_factory.mktemp("smoke") / "run"
+    proc = evolve(run)
+    collecting = run / "1" / "collect" / "self.jsonl"
+    deadline = time.time() + 600
+    while not (collecting.exists() and collecting.read_text().count("\n") >= 1):  # mid-stage: episodes in flight
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.time() < deadline, "iteration 1 never started collecting"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (run / "1" / "collect" / ".done").exists()
+    proc = evolve(run)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out
+    return run, out

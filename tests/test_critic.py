@@ -235,7 +235,7 @@ def test_critic_cli_trains_saves_and_reloads(tiny_policy, sciworld_expert, tmp_p
     # 4 steps at IQL's tau 0.005 leave Q̄ at 1 - 0.995^4 = 2% of the way to Q: the run says so
     assert "--tau 0.005 over 4 steps moves the target Q head only 2% of the way" in proc.stdout
     scored = common.read_jsonl(out / "scored.jsonl")
-    assert all("value" in s and "advantage" in s for t in scored for s in t["steps"])
+    assert all({"value", "q", "advantage"} <= s.keys() for t in scored for s in t["steps"])
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 4 and all(m["loss_q"] >= 0 for m in metrics)
     scalars = tensorboard_scalars(out)  # the losses as TensorBoard curves, the critic's diagnostics under eval/
@@ -245,8 +245,9 @@ def test_critic_cli_trains_saves_and_reloads(tiny_policy, sciworld_expert, tmp_p
     model, heads, tok = critic.load_critic(str(out))
     ids, v_pos, q_pos = critic.encode(tok, scored[0])
     with torch.no_grad():
-        V, _, _ = critic.values(model, heads, ids, v_pos, q_pos)
+        V, Q, _ = critic.values(model, heads, ids, v_pos, q_pos)
     torch.testing.assert_close(V, torch.tensor([s["value"] for s in scored[0]["steps"]]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(Q, torch.tensor([s["q"] for s in scored[0]["steps"]]), atol=1e-5, rtol=0)
     report = json.loads((out / "eval.json").read_text())
     assert -1 <= report["return_corr_train"] <= 1  # 2 trajectories: none held out, so only the training figure
     # the saved heads are the refitted ones (the reload above matches them), and 20 rounds of fitted IQL converge

@@ -2,38 +2,17 @@
 killed in the middle of a stage and run again."""
 import json
 import os
-import signal
 import subprocess
-import time
 from collections import Counter
 
 import chat
 import common
 import models
-from conftest import ROOT, tensorboard_scalars
+from conftest import ROOT, evolve, tensorboard_scalars
 
 
-def evolve(run, **env) -> subprocess.Popen:
-    return subprocess.Popen(["bash", "evolve.sh"], cwd=ROOT, env={**os.environ, "SMOKE": "1", "RUN": str(run), **env},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def test_smoke_loop_survives_a_kill_and_reports(tmp_path):
-    run = tmp_path / "run"
-    proc = evolve(run)
-    collecting = run / "1" / "collect" / "self.jsonl"
-    deadline = time.time() + 600
-    while not (collecting.exists() and collecting.read_text().count("\n") >= 1):  # mid-stage: episodes in flight
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.time() < deadline, "iteration 1 never started collecting"
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert not (run / "1" / "collect" / ".done").exists()
-
-    proc = evolve(run)
-    out, _ = proc.communicate(timeout=900)
-    assert proc.returncode == 0, out
+def test_smoke_loop_survives_a_kill_and_reports(smoke_run):
+    run, out = smoke_run  # killed in the middle of iteration 1's rollouts, then run again to the end
     assert "[done] " + str(run / "0" / "bc") in out  # finished stages are not run again
 
     for it in (1, 2):

@@ -91,6 +91,9 @@ def test_study_runs_seeds_and_variants_shares_bc_and_resumes_from_its_records(tm
     for row in ("| BC | 2 |", "| Q-Evolve, iter 1 | 2 |", "| RFT (BC on own successes) | 2 |", "| Q-Evolve minus |"):
         assert row in table
     assert (out / "results.png").read_bytes()[:4] == b"\x89PNG"
+    for run in runs.iterdir():  # each run's page holds the study's table (evolve.sh wrote it without)
+        page = (run / "report.html").read_text()
+        assert "The study this run belongs to" in page and "Q-Evolve minus" in page
 
     # A rerun (here without the runs: another machine) finds every run in the records and runs nothing.
     import shutil

@@ -20,6 +20,11 @@ def load(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def parse_settings(text: str) -> dict[str, str]:
+    """settings.txt's lines ("NAME   value") as a dict; a value may be empty or hold spaces."""
+    return dict((line.split(None, 1) + [""])[:2] for line in text.splitlines() if line.strip())
+
+
 def train_env_steps(run: Path, iters: int) -> list[int]:
     """The environment steps the policy of each iteration 0..iters cost to train: the rollouts of iterations
     1..it (sft plays none)."""
@@ -32,7 +37,8 @@ def train_env_steps(run: Path, iters: int) -> list[int]:
     return steps
 
 
-def main(run: Path, iters: int) -> None:
+def policy_rows(run: Path, iters: int) -> list[dict]:
+    """BC's and each evaluated iteration's evaluation summaries, with the env steps its training cost."""
     rows = []
     for it, train_steps in enumerate(train_env_steps(run, iters)):
         if it not in (0, iters) and not (run / str(it) / "eval").exists():
@@ -42,7 +48,11 @@ def main(run: Path, iters: int) -> None:
         if seen.get("rerank_with"):  # VARIANT=no_pi: the BC policy, the critic choosing among sampled answers
             name += f" (BC + critic's pick of {seen['candidates']})"
         rows.append(dict(iteration=it, name=name, seen=seen, unseen=unseen, train_steps=train_steps))
+    return rows
 
+
+def table(rows: list[dict]) -> str:
+    """The paper's table of the rows (markdown), with a note on what was measured."""
     lines = ["| policy | seen reward ×100 | seen success % | unseen reward ×100 | unseen success % "
              "| train env steps used |", "|---|---|---|---|---|---|"]
     for r in rows:
@@ -53,9 +63,15 @@ def main(run: Path, iters: int) -> None:
     note = (f"\n{first['env']}: {first['episodes']} seen and {rows[0]['unseen']['episodes']} unseen episodes per "
             "policy, greedy (a critic's pick: among answers sampled at the rollout temperature); reward is the "
             "final score averaged over episodes.\n")
-    table = "\n".join(lines) + "\n" + note
-    (run / "results.md").write_text(table)
-    print(table)
+    return "\n".join(lines) + "\n" + note
+
+
+def main(run: Path, iters: int) -> None:
+    rows = policy_rows(run, iters)
+    first = rows[0]["seen"]
+    text = table(rows)
+    (run / "results.md").write_text(text)
+    print(text)
     write_curves(run, rows)
 
     try:

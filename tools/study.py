@@ -13,7 +13,8 @@ runs/study/<v>-seed<k>/. Runs of one seed share the stages whose commands are th
 evaluation, iteration 1's rollouts and critic): they are linked, not run again. A finished run leaves a small
 record in OUT/records/<v>-seed<k>.json (its settings, per-episode outcomes, env steps, stage times; no
 checkpoints); a rerun skips every run recorded with the same settings, so a study stopped on one machine goes on
-on another from a clone of the repository. OUT/results.md and OUT/results.png are written from the records.
+on another from a clone of the repository. OUT/results.md and OUT/results.png are written from the records, and
+each run still on this machine gets its RUN/report.html with the study's table (tools/report.py).
 
 Interval: a two-level bootstrap (resample seeds, then the episodes of each drawn seed), percentile 95 %.
 A paired difference is taken per (seed, task) before resampling, so task difficulty cancels out.
@@ -35,7 +36,8 @@ import tyro
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
-from results import train_env_steps  # noqa: E402
+import report as run_report  # noqa: E402
+from results import parse_settings, train_env_steps  # noqa: E402
 from stage_times import stage_seconds  # noqa: E402
 
 Variant = Literal["qevolve", "sft", "rft", "no_pi", "no_rr", "no_wiql", "no_gae", "awr"]
@@ -169,11 +171,6 @@ def link_shared(env: dict[str, str], stages: list[tuple[str, str]], bases: list[
             link.parent.mkdir(parents=True, exist_ok=True)
             link.symlink_to(os.path.relpath((best / rel).resolve(), link.parent.resolve()), target_is_directory=True)
     return best, best_stages
-
-
-def parse_settings(text: str) -> dict[str, str]:
-    """settings.txt's lines ("NAME   value") as a dict; a value may be empty or hold spaces."""
-    return dict((line.split(None, 1) + [""])[:2] for line in text.splitlines() if line.strip())
 
 
 def read_outcomes(path: Path) -> dict[str, dict]:
@@ -407,6 +404,11 @@ def main() -> None:
         sys.exit(f"no records in {records_dir}: nothing to report")
     print(report(records, variants, out, args.resamples, args.smoke))
     print(f"wrote {out / 'results.md'} and {out / 'results.png'}")
+    # the runs still on this machine: their pages (evolve.sh wrote them without the study) get its intervals
+    for variant, seed in records:
+        run = Path(run_env(variant, seed, args)["RUN"])
+        if (run / "settings.txt").exists():
+            run_report.main(run_report.Args(run, study=out))
 
 
 if __name__ == "__main__":
