@@ -120,6 +120,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     common.seed_everything(args.seed)
     rng = random.Random(args.seed)
+    workers = common.Workers()  # one process, or each of `accelerate launch`'s (docs/scale.md)
 
     # Data first: a bad file must fail before the model is loaded.
     train, held = read_data(args, rng)
@@ -148,7 +149,7 @@ def main() -> None:
                            optimizer, scheduler, lambda d: models.save_policy(model, d, args.model))
     step = resume.load()
     tracker = common.Tracker(out / "metrics.jsonl", out, args, resumed_step=step)
-    bar = tqdm(total=total_steps, initial=step, desc="bc", unit="step")
+    bar = tqdm(total=total_steps, initial=step, desc="bc", unit="step", disable=not workers.main)
     seen_tokens, t0 = 0, time.time()
     model.train()
     for epoch in resume.epochs(epochs, rng):
@@ -156,14 +157,16 @@ def main() -> None:
         for i in resume.groups(len(micro), args.grad_accum, stop=total_steps - step):
             group = micro[i:i + args.grad_accum]
             n_act = sum(m.sum().item() for _, _, m in group)
-            loss_sum = 0.0
-            for ids, attn, mask in group:  # L_BC: NLL of the expert's action tokens
+            loss_sum, tokens = 0.0, 0
+            for ids, attn, mask in workers.share(group):  # L_BC: NLL of the expert's action tokens
                 dev = model.device
                 logp = models.action_logprobs(model, ids.to(dev), attn.to(dev), mask.to(dev), bf16=args.bf16)
                 loss = -logp.sum() / n_act  # mean over the step's action tokens, however they are split
                 loss.backward()
-                loss_sum += loss.item()
-                seen_tokens += attn.sum().item()
+                loss_sum, tokens = loss_sum + loss.item(), tokens + attn.sum().item()
+            workers.sum_grads(params)  # several processes: the whole step's gradient
+            total = workers.sum({"loss": loss_sum, "tokens": tokens}, ("loss", "tokens"))
+            loss_sum, seen_tokens = total["loss"], seen_tokens + total["tokens"]
             resume.check_finite({"loss": loss_sum}, step)
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
@@ -176,6 +179,8 @@ def main() -> None:
             bar.set_postfix(loss=f"{loss_sum:.3f}", epoch=epoch)
             bar.update()
     bar.close()
+    if not workers.finish():
+        return  # process 0 measures, writes the policy and reports
 
     nll_after = action_nll(model, held_seqs, args, pad_id)
     models.save_policy(model, out, args.model)

@@ -107,6 +107,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     common.seed_everything(args.seed)
     rng = random.Random(args.seed)
+    workers = common.Workers()  # one process, or each of `accelerate launch`'s (docs/scale.md)
     trajs = common.read_jsonl(args.data)
     common.require_step_field(trajs, args.data, "advantage", "critic.py")
     model, tok, base_model, same_ref = load_models(args)
@@ -124,7 +125,7 @@ def main() -> None:
     step = resume.load()
     tracker = common.Tracker(out / "metrics.jsonl", out, args, resumed_step=step)
     bar = tqdm(total=math.ceil(len(batches) / args.grad_accum) * args.epochs, initial=step, desc=args.objective,
-               unit="step")
+               unit="step", disable=not workers.main)
     dev, t0, trained = model.device, time.time(), 0
     for epoch in resume.epochs(args.epochs, rng):
         order = list(range(len(batches)))
@@ -134,7 +135,7 @@ def main() -> None:
             mean, std = advantage_scale(group, args)
             n_tokens = sum(b["mask"].sum().item() for b in group)
             logs = defaultdict(float)
-            for b in group:
+            for b in workers.share(group):
                 ids, mask = b["ids"].to(dev), b["mask"].to(dev)
                 adv = ((b["adv"] - mean) / (std + 1e-8)).to(dev) * mask
                 logp, entropy = models.action_logprobs(model, ids, torch.ones_like(ids), mask, True, args.bf16)
@@ -148,6 +149,8 @@ def main() -> None:
                 ((loss + args.kl_coef * kl) * share).backward()
                 for k, v in diagnostics(loss, kl, logp, old, entropy, mask, args).items():
                     logs[k] += share * v
+            workers.sum_grads(params)  # several processes: the whole step's gradient
+            logs = workers.sum(logs, ("loss", "kl_ref", "approx_kl", "clip_frac", "entropy"))
             resume.check_finite(logs, step)
             if args.max_grad_norm:
                 torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
@@ -161,6 +164,8 @@ def main() -> None:
             bar.set_postfix(loss=f"{logs['loss']:.4f}", kl=f"{logs['kl_ref']:.4f}", clip=f"{logs['clip_frac']:.2f}")
             bar.update()
     bar.close()
+    if not workers.finish():
+        return  # process 0 writes the policy
     tracker.close()
     models.save_policy(model, out, base_model)
     resume.done()
@@ -204,7 +209,8 @@ def old_and_ref_logprobs(model, batches: list[dict], same_ref: bool, args: Args)
     dev = model.device
     for name, key in [("policy", "logp_old")] + ([] if same_ref else [("ref", "logp_ref")]):
         model.set_adapter(name)
-        for b in tqdm(batches, desc=f"log π_{'old' if name == 'policy' else 'ref'}", unit="traj"):
+        for b in tqdm(batches, desc=f"log π_{'old' if name == 'policy' else 'ref'}", unit="traj",
+                      disable=not common.main_process()):
             b[key] = models.action_logprobs(model, b["ids"].to(dev), torch.ones_like(b["ids"]).to(dev),
                                             b["mask"].to(dev), bf16=args.bf16).cpu()
             if same_ref:

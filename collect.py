@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +89,10 @@ class Args:
     """self-evolution iteration written into each trajectory (0 = expert / BC data)"""
     track: bool = False
     """also log to Weights & Biases (<out>.logs/ always holds metrics.jsonl and TensorBoard events)"""
+    shard: str | None = None
+    """I/N: play every N-th episode from the I-th (0-based) into <out>.shardIofN.jsonl; the last of the N shards
+    to finish merges them into --out. Under a data-parallel launch (`accelerate launch`, WORLD_SIZE > 1) each
+    process is the shard of its rank"""
     seed: int = 1
     threads: int | None = None
     """CPU threads for torch (default: torch's choice)"""
@@ -160,10 +165,13 @@ def main() -> None:
     args = tyro.cli(Args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    common.seed_everything(args.seed)
+    shard, shards = which_shard(args)
+    common.seed_everything(args.seed + shard)  # shards sample independently of each other
     check_args(args)
     outs = {split: Path(args.out.replace("{split}", split)) for split in args.split}
-    done_ids = {t["id"] for out in outs.values() if out.exists() for t in common.read_jsonl(out, allow_empty=True)}
+    mine = {split: shard_file(out, shard, shards) for split, out in outs.items()}  # where this process writes
+    done_ids = {t["id"] for out in [*outs.values(), *mine.values()] if out.exists()
+                for t in common.read_jsonl(out, allow_empty=True)}
     reranker = None
     if args.policy != "expert":
         model, tok, base_model = models.load_policy(args.policy, args.load_in_4bit)
@@ -175,7 +183,8 @@ def main() -> None:
     tasks = {split: select_tasks(envs[0], split, args) for split in args.split}
     for out in outs.values():
         out.parent.mkdir(parents=True, exist_ok=True)
-        common.write_json(out.with_suffix(".args.json"), vars(args))
+        if shard == 0:
+            common.write_json(out.with_suffix(".args.json"), vars(args))
 
     # the first --num-tasks tasks of each split, --samples-per-task times; with the expert, the tasks after them
     # take the place of those whose expert path is longer than the cap
@@ -184,16 +193,19 @@ def main() -> None:
     source = "expert" if args.policy == "expert" else "policy"
     todo = [(task, f"{task.key}/{source}{k}") for split, ts in tasks.items() for task in ts[:target[split]]
             for k in range(args.samples_per_task)]
-    pending = [(task, i) for task, i in todo if i not in done_ids]
+    ours = todo[shard::shards]
+    pending = [(task, i) for task, i in ours if i not in done_ids]
     logs = Path(args.out.replace("{split}", "_".join(args.split))).with_suffix(".logs")
-    tracker = common.Tracker(logs / "metrics.jsonl", logs, args, resumed_step=len(todo) - len(pending))
-    bar = tqdm(total=len(todo), initial=len(todo) - len(pending), desc=f"{args.env} {' '.join(args.split)}",
+    if shards > 1:
+        logs = logs / f"shard{shard}of{shards}"
+    tracker = common.Tracker(logs / "metrics.jsonl", logs, args, resumed_step=len(ours) - len(pending), on=True)
+    bar = tqdm(total=len(ours), initial=len(ours) - len(pending), desc=f"{args.env} {' '.join(args.split)}",
                unit="episode")
     won, steps, skipped, too_long, t0 = 0, 0, 0, 0, time.time()
 
     def record(traj: dict) -> None:  # one line per episode, flushed: a killed run loses the episodes in flight
         nonlocal won, steps
-        common.append_jsonl(outs[traj["split"]], traj)
+        common.append_jsonl(mine[traj["split"]], traj)
         won, steps = won + traj["success"], steps + len(traj["steps"])
         bar.update()
         bar.set_postfix(success=f"{won}/{bar.n}", steps_per_s=f"{steps / (time.time() - t0):.1f}")
@@ -218,6 +230,10 @@ def main() -> None:
     for env in envs:
         env.close()
     notes(args, steps, time.time() - t0, too_long, skipped)
+    if shards > 1 and not merge_shards(outs, shard, shards):
+        print(f"shard {shard}/{shards} done; the last shard to finish merges the shards into {args.out}")
+        tracker.close()
+        return
     ids = {i for _, i in todo}
     for split, out in outs.items():
         summary = report(out, [t for t in common.read_jsonl(out, allow_empty=True) if t["id"] in ids or
@@ -250,7 +266,56 @@ def play_experts(env: TextEnv, pending: list, extra: dict, args: Args, prompt: c
     return skipped
 
 
+def which_shard(args: Args) -> tuple[int, int]:
+    """(I, N) of --shard I/N, else of a data-parallel launch's RANK and WORLD_SIZE; (0, 1) for one process."""
+    if args.shard is None:
+        size = int(os.environ.get("WORLD_SIZE", "1"))
+        if size > 1 and torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # one GPU per process
+        return int(os.environ.get("RANK", "0")), size
+    index, _, size = args.shard.partition("/")
+    if not (index.isdigit() and size.isdigit() and int(index) < int(size)):
+        raise common.UserError(f"--shard {args.shard}: expected I/N with 0 <= I < N, e.g. --shard 0/4")
+    return int(index), int(size)
+
+
+def shard_file(out: Path, shard: int, shards: int) -> Path:
+    return out if shards == 1 else out.with_name(f"{out.stem}.shard{shard}of{shards}{out.suffix}")
+
+
+def merge_shards(outs: dict[str, Path], shard: int, shards: int) -> bool:
+    """Mark this shard finished; the shard that finds all N finished merges every shard's episodes into each
+    --out (the ids --out already holds are kept once) and removes the shard files. True for that shard."""
+    import fcntl
+    first = next(iter(outs.values()))
+    first.with_name(f"{first.stem}.shard{shard}of{shards}.done").touch()
+    with open(first.with_name(f"{first.stem}.shards.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one merger, even when the last two finish together
+        markers = [first.with_name(f"{first.stem}.shard{k}of{shards}.done") for k in range(shards)]
+        if not all(m.exists() for m in markers):
+            return False
+        for out in outs.values():
+            parts = [shard_file(out, k, shards) for k in range(shards)]
+            merged = common.read_jsonl(out, allow_empty=True) if out.exists() else []
+            seen = {t["id"] for t in merged}
+            for part in parts:
+                for t in common.read_jsonl(part, allow_empty=True) if part.exists() else []:
+                    if t["id"] not in seen:
+                        merged.append(t)
+                        seen.add(t["id"])
+            common.write_jsonl(out, merged)
+            for part in parts:
+                part.unlink(missing_ok=True)
+        for m in markers:
+            m.unlink()
+        Path(lock.name).unlink()
+    return True
+
+
 def check_args(args: Args) -> None:
+    if (args.shard or int(os.environ.get("WORLD_SIZE", "1")) > 1) and args.policy == "expert":
+        raise common.UserError("--shard: the expert's episodes are cheap and its skipped tasks are replaced in "
+                               "order; play them in one process")
     if len(args.split) > 1 and "{split}" not in args.out:
         raise common.UserError(f"--split {' '.join(args.split)}: --out must hold {{split}}, one file per split")
     if args.rerank_with and (args.policy == "expert" or args.temperature <= 0 or args.candidates < 2):

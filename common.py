@@ -201,6 +201,8 @@ def write_json(path: str | os.PathLike, obj) -> None:
 
 
 def save_args(out_dir: str | os.PathLike, args) -> None:
+    if not main_process():
+        return
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     write_json(Path(out_dir) / "args.json", asdict(args))
 
@@ -290,6 +292,9 @@ class Resume:
     def save(self, step: int) -> None:
         import torch
         progress = {"step": step, "epoch": self._epoch, "pos": self._pos, "epoch_rng": self._epoch_rng}
+        self.last_saved = step
+        if not main_process():  # the processes hold the same weights: one writes them
+            return
         with atomic_dir(self.dir) as tmp:
             torch.save({"args": self.args, "tensors": {k: v.detach().cpu() for k, v in self.tensors().items()},
                         "optimizer": self.optimizer.state_dict(),
@@ -297,7 +302,6 @@ class Resume:
                         "torch_rng": torch.get_rng_state(), "progress": progress},
                        tmp / "state.pt")
             self.save_checkpoint(tmp)
-        self.last_saved = step
 
     def check_finite(self, logs: dict, step: int) -> None:
         """Stop on a NaN or inf loss, before the optimizer writes it into the weights."""
@@ -309,7 +313,75 @@ class Resume:
 
     def done(self) -> None:
         """The stage wrote its final checkpoint: the resume state is no longer needed."""
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if main_process():
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- data-parallel processes
+def main_process() -> bool:
+    """Whether this is process 0 of a data-parallel launch (or the only process): the one that writes."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+class Workers:
+    """The processes of a data-parallel launch (`accelerate launch --multi_gpu --num_processes N`, or torchrun).
+    Every process holds the whole model and data and walks the same optimizer steps in the same order (same
+    seed); each computes the gradient of its share of a step's trajectories, and the shares' gradients are summed
+    before the update, so N processes take exactly the steps one process takes (docs/scale.md). Process 0 alone
+    writes checkpoints, resume state, metrics and printed output. Under plain `python` there is one process and
+    every method hands back what it was given.
+
+        workers = Workers()
+        for j in workers.share(group): ...; (loss / whole_group_size).backward()
+        workers.sum_grads(params); logs = workers.sum(logs, ("loss",))
+    """
+
+    def __init__(self) -> None:
+        self.size, self.rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+        self.main = self.rank == 0
+        if self.size > 1:
+            import torch
+            import torch.distributed as dist
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # one GPU per process
+            if not dist.is_initialized():
+                dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+            if not self.main:
+                sys.stdout = open(os.devnull, "w")  # would repeat process 0's; errors still reach stderr
+
+    def share(self, items: list) -> list:
+        """This process's share of one optimizer step's items: every size-th, from its rank on."""
+        return items[self.rank::self.size]
+
+    def sum_grads(self, params: list) -> None:
+        """Each parameter's gradient summed over the processes (one all-reduce of them all, flattened)."""
+        if self.size == 1:
+            return
+        import torch
+        import torch.distributed as dist
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]  # an empty share: none
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat)
+        for p, chunk in zip(params, flat.split([g.numel() for g in grads])):
+            p.grad = chunk.view_as(p).clone()
+
+    def sum(self, values: dict[str, float], keys: tuple[str, ...]) -> dict[str, float]:
+        """Per-process partial sums of `keys` (a logged loss, token counts), summed over the processes."""
+        if self.size == 1:
+            return {k: values.get(k, 0.0) for k in keys}
+        import torch
+        import torch.distributed as dist
+        total = torch.tensor([float(values.get(k, 0.0)) for k in keys], dtype=torch.float64)
+        dist.all_reduce(total)
+        return dict(zip(keys, total.tolist()))
+
+    def finish(self) -> bool:
+        """The processes' shared work is over; True for process 0, which goes on to write the results."""
+        if self.size > 1:
+            import torch.distributed as dist
+            dist.barrier()
+            dist.destroy_process_group()
+        return self.main
 
 
 # ----------------------------------------------------------------------------- tracking
@@ -326,7 +398,11 @@ class Tracker:
         tracker.scalars(step, eval={"heldout_nll": 0.3})                 # eval/heldout_nll, TensorBoard only
     """
 
-    def __init__(self, jsonl: str | os.PathLike, tb_dir: str | os.PathLike, args, resumed_step: int = 0):
+    def __init__(self, jsonl: str | os.PathLike, tb_dir: str | os.PathLike, args, resumed_step: int = 0,
+                 on: bool | None = None):
+        self.on = main_process() if on is None else on  # of data-parallel processes, process 0 logs
+        if not self.on:
+            return
         path = Path(jsonl)
         path.parent.mkdir(parents=True, exist_ok=True)
         lines = path.read_text().splitlines() if path.exists() else []
@@ -350,18 +426,24 @@ class Tracker:
 
     def log(self, step: int, **groups: dict[str, float]) -> None:
         """One optimizer step's (or episode's) scalars: a line of metrics.jsonl and the TensorBoard events."""
+        if not self.on:
+            return
         self.scalars(step, **groups)
         self.file.write(json.dumps({"step": step, **{k: v for g in groups.values() for k, v in g.items()}}) + "\n")
         self.file.flush()
 
     def scalars(self, step: int, **groups: dict[str, float]) -> None:
         """TensorBoard (and W&B) only: end-of-run figures that have their own file (eval.json, summaries)."""
+        if not self.on:
+            return
         for group, values in groups.items():
             for name, value in values.items():
                 self.tb.add_scalar(f"{group}/{name}", value, step)
         self.tb.flush()  # a killed run keeps its curve up to its last step, like metrics.jsonl
 
     def close(self) -> None:
+        if not self.on:
+            return
         self.file.close()
         self.tb.close()
         if self.wandb is not None:

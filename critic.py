@@ -348,6 +348,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     common.seed_everything(args.seed)
     rng = random.Random(args.seed)
+    workers = common.Workers()  # one process, or each of `accelerate launch`'s (docs/scale.md)
     trajs = common.read_jsonl(args.data)
     common.require_step_field(trajs, args.data, "aux_reward", "relabel.py")
     train, held = split(len(trajs), args, rng)
@@ -373,7 +374,7 @@ def main() -> None:
     n_steps = math.ceil(len(train) / args.grad_accum) * args.epochs
     note_target_rate(args.tau, n_steps)
     model.train()  # gradient checkpointing is only active in train mode (dropout is 0 in the critic)
-    bar = tqdm(total=n_steps, initial=step, desc="critic", unit="step")
+    bar = tqdm(total=n_steps, initial=step, desc="critic", unit="step", disable=not workers.main)
     transitions, t0 = 0, time.time()
     for epoch in resume.epochs(args.epochs, rng):
         order = list(train)
@@ -382,16 +383,18 @@ def main() -> None:
             group = order[i:i + args.grad_accum]
             n_trans = sum(len(trajs[j]["steps"]) for j in group)
             logs = defaultdict(float)
-            for j in group:
+            for j in workers.share(group):
                 V, Q, Q_target = values(model, heads, *encoded[j], args.bf16)
                 loss, parts = iql_loss(trajs[j], V, Q, Q_target, args, bounds)  # eqs. 1, 2, 4, 5
                 (loss / n_trans).backward()  # mean over the step's transitions
                 for k, v in parts.items():
                     logs[k] += v / n_trans
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            workers.sum_grads(params)  # several processes: the whole step's gradient
+            logs = workers.sum(logs, ("loss_q", "loss_v"))
             resume.check_finite(logs, step)
             if args.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]],
-                                               args.max_grad_norm)
+                torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             heads.update_target(args.tau)
@@ -402,6 +405,8 @@ def main() -> None:
             bar.set_postfix(loss_q=f"{logs['loss_q']:.4f}", loss_v=f"{logs['loss_v']:.4f}")
             bar.update()
     bar.close()
+    if not workers.finish():
+        return  # process 0 fits the heads exactly, writes the critic and scores the data
 
     model.eval()
     with torch.no_grad():

@@ -119,7 +119,7 @@ stage() {  # stage DIR COMMAND...: run COMMAND unless DIR/.done says it already 
 evaluate() {
   local decode=(--temperature 0)
   [ -n "${3:-}" ] && decode=(--temperature "$TEMPERATURE" --rerank-with "$3" --candidates "$CANDIDATES")
-  stage "$RUN/$1/eval" python collect.py "${select[@]}" --policy "$2" --split seen unseen "${eval_tasks[@]}" \
+  stage "$RUN/$1/eval" "${run[@]}" collect.py "${select[@]}" --policy "$2" --split seen unseen "${eval_tasks[@]}" \
     --num-envs "$NUM_ENVS" --max-new-tokens "$MAX_NEW_TOKENS" "${decode[@]}" --iteration "$1" --out "$RUN/$1/eval/{split}.jsonl"
 }
 
@@ -132,8 +132,17 @@ if [ "${TRACK:-0}" = 1 ]; then
   select+=(--track) bc_extra+=(--track) critic_flags+=(--track) bppo_flags+=(--track)
   export WANDB_RUN_GROUP=${WANDB_RUN_GROUP:-$(basename "$RUN")}
 fi
+# NPROC=N: the training stages and the policy's rollouts as N data-parallel processes (accelerate launch; torchrun
+# underneath, gloo on a CPU, NCCL on GPUs): the same optimizer steps as one process, each rollout run playing a
+# shard of the episodes (docs/scale.md). Like TRACK it is no setting: it changes how the work is spread, not what
+# is computed (up to float rounding, and which random numbers each sampled episode draws).
+: "${NPROC:=1}"
+[[ "$NPROC" =~ ^[1-9][0-9]*$ ]] || { echo "NPROC=$NPROC: the number of processes, 1 or more" >&2; exit 2; }
+run=(python)
+[ "$NPROC" -gt 1 ] && run=(accelerate launch --multi_gpu --num_processes "$NPROC" --num_machines 1
+                           --mixed_precision no --dynamo_backend no)
 stage "$RUN/0/expert" python collect.py "${select[@]}" --policy expert --split train "${demo_tasks[@]}" --out "$expert"
-stage "$RUN/0/bc" python bc.py --data "$expert" --model "$MODEL" --epochs "$BC_EPOCHS" --grad-accum "$BC_ACCUM" --out "$RUN/0/bc" \
+stage "$RUN/0/bc" "${run[@]}" bc.py --data "$expert" --model "$MODEL" --epochs "$BC_EPOCHS" --grad-accum "$BC_ACCUM" --out "$RUN/0/bc" \
   "${bc_extra[@]}"
 evaluate 0 "$RUN/0/bc"
 # sft and rft take as many optimizer steps per iteration as BPPO does on a hybrid dataset of the demonstrations
@@ -146,7 +155,7 @@ bppo_steps() {
 }
 continue_bc() {  # continue_bc DIR DATA... [--successes-only]: the policy's BC continued, into DIR
   local dir=$1; shift
-  stage "$dir" python bc.py --init "$policy" --data "$@" --steps "$(bppo_steps)" --lr "$BPPO_LR" --schedule constant \
+  stage "$dir" "${run[@]}" bc.py --init "$policy" --data "$@" --steps "$(bppo_steps)" --lr "$BPPO_LR" --schedule constant \
     --grad-accum "$GRAD_ACCUM" --out "$dir" "${bc_extra[@]}"
 }
 policy=$RUN/0/bc selves=() rerank=()
@@ -159,7 +168,7 @@ for it in $(seq 1 "$ITERS"); do
     [ "$eval_it" = 1 ] && evaluate "$it" "$policy"
     continue
   fi
-  stage "$d/collect" python collect.py "${select[@]}" --policy "$policy" --split train "${train_tasks[@]}" "${rerank[@]}" \
+  stage "$d/collect" "${run[@]}" collect.py "${select[@]}" --policy "$policy" --split train "${train_tasks[@]}" "${rerank[@]}" \
     --samples-per-task "$SAMPLES" --num-envs "$NUM_ENVS" --max-new-tokens "$MAX_NEW_TOKENS" --temperature "$TEMPERATURE" --iteration "$it" --out "$d/collect/self.jsonl"
   # paper §1.1: this iteration's self-generated data replaces the last one's; expert data stays
   [ "$KEEP_SELF" = 1 ] && selves+=("$d/collect/self.jsonl") || selves=("$d/collect/self.jsonl")
@@ -170,14 +179,14 @@ for it in $(seq 1 "$ITERS"); do
     continue
   fi
   stage "$d/relabel" python relabel.py "$expert" "${selves[@]}" --out "$d/relabel/hybrid.jsonl" "${relabel_flags[@]}"
-  stage "$d/critic" python critic.py --data "$d/relabel/hybrid.jsonl" --policy "$policy" --out "$d/critic" \
+  stage "$d/critic" "${run[@]}" critic.py --data "$d/relabel/hybrid.jsonl" --policy "$policy" --out "$d/critic" \
     "${critic_flags[@]}"  # re-trained from scratch every iteration, on this iteration's data only
   if [ "$VARIANT" = no_pi ]; then  # the agent is the BC policy with this critic's pick; it collects the next data
     rerank=(--rerank-with "$d/critic" --candidates "$CANDIDATES")
     [ "$eval_it" = 1 ] && evaluate "$it" "$policy" "$d/critic"
     continue
   fi
-  stage "$d/bppo" python bppo.py --data "$d/critic/scored.jsonl" --policy "$policy" --reference "$RUN/0/bc" \
+  stage "$d/bppo" "${run[@]}" bppo.py --data "$d/critic/scored.jsonl" --policy "$policy" --reference "$RUN/0/bc" \
     --out "$d/bppo" "${bppo_flags[@]}"
   policy=$d/bppo  # the policy continues from the last iteration's
   [ "$eval_it" = 1 ] && evaluate "$it" "$policy"

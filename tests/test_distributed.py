@@ -1,0 +1,186 @@
+"""Several processes (docs/scale.md): bc.py, critic.py and bppo.py under `accelerate launch` with 2 processes on
+the CPU (gloo) take the same optimizer steps as one process and write one loadable checkpoint; a killed
+2-process run resumes; collect.py's shards play every episode exactly once and merge into the one-process output
+on WebShop (deterministic, greedy)."""
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import common
+import critic
+import models
+from conftest import ROOT, run_script
+
+LAUNCH = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+          "--mixed_precision", "no", "--dynamo_backend", "no"]
+
+
+def launch(*argv: str, timeout: float = 600) -> str:
+    proc = subprocess.run([*LAUNCH, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def data(tiny_policy, tmp_path_factory):
+    """Three WebShop demonstrations (an optimizer step of 3 splits unevenly over 2 processes), relabelled, and
+    scored by a one-process critic."""
+    d = tmp_path_factory.mktemp("dp")
+    run_script("collect.py", "--env", "webshop", "--split", "train", "--num-tasks", "3", "--out", str(d / "expert.jsonl"))
+    run_script("relabel.py", str(d / "expert.jsonl"), "--out", str(d / "hybrid.jsonl"))
+    run_script("critic.py", "--data", str(d / "hybrid.jsonl"), "--policy", str(tiny_policy), "--out", str(d / "critic"))
+    return {"expert": d / "expert.jsonl", "hybrid": d / "hybrid.jsonl", "scored": d / "critic" / "scored.jsonl",
+            "policy": tiny_policy, "dir": d}
+
+
+def argv(stage: str, data: dict, out: Path, epochs: int = 2) -> list[str]:
+    step = ["--grad-accum", "3", "--epochs", str(epochs), "--out", str(out)]
+    return {"bc": ["bc.py", "--data", str(data["expert"]), "--model", "tiny", "--save-every", "1"],
+            "critic": ["critic.py", "--data", str(data["hybrid"]), "--policy", str(data["policy"])],
+            "bppo": ["bppo.py", "--data", str(data["scored"]), "--policy",
+                     str(data["policy"]), "--reference", str(data["policy"])]}[stage] + step
+
+
+def weights(stage: str, out: Path) -> dict:
+    if stage == "critic":
+        return {**load_file(str(out / "heads.safetensors")), **load_file(str(out / "critic" / "adapter_model.safetensors"))}
+    return load_file(str(out / "policy" / "adapter_model.safetensors"))
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("stage", ["bc", "critic", "bppo"])
+def test_two_processes_take_the_steps_of_one(stage, data):
+    one, two = data["dir"] / f"one-{stage}", data["dir"] / f"two-{stage}"
+    run_script(*argv(stage, data, one))
+    launch(*argv(stage, data, two))
+    want, got = weights(stage, one), weights(stage, two)
+    assert want.keys() == got.keys()
+    for k in want:  # the same global batch and data order: equal up to the order of float sums
+        torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=1e-5)
+    # process 0 alone logged: one line per step, the losses of the whole step
+    a, b = metrics(one), metrics(two)
+    assert [m["step"] for m in b] == [m["step"] for m in a] == [1, 2]
+    for key in [k for k in a[0] if k.startswith(("loss", "kl_", "clip", "approx"))]:
+        assert [m[key] for m in b] == pytest.approx([m[key] for m in a], rel=1e-5, abs=1e-7)
+    assert len(list(two.glob("events.out.tfevents.*"))) == 1
+    assert not (two / "resume").exists()
+    if stage == "critic":  # the checkpoint loads and scores as process 0 wrote it
+        critic.load_critic(str(two))
+        assert len(common.read_jsonl(two / "scored.jsonl")) == 3
+    else:
+        models.load_policy(str(two))
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below pid, as /proc tells it."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
+def test_a_killed_two_process_run_resumes_to_the_uninterrupted_result(data, tmp_path):
+    whole, out = tmp_path / "whole", tmp_path / "bc"
+    run_script(*argv("bc", data, whole, epochs=5))
+    proc = subprocess.Popen([*LAUNCH, *argv("bc", data, out, epochs=5)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    state, deadline = out / "resume" / "state.pt", time.time() + 300
+    while not state.exists():  # step 1's resume state (--save-every 1): kill in the middle of the run
+        assert proc.poll() is None and time.time() < deadline, "bc ended before its first resume state"
+        time.sleep(0.05)
+    for pid in [proc.pid, *descendants(proc.pid)]:  # the launcher and its workers (torchrun's own sessions)
+        os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "qevolve.json").exists()
+    assert "resuming from" in launch(*argv("bc", data, out, epochs=5))
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3, 4, 5]
+    want, got = weights("bc", whole), weights("bc", out)
+    assert all(torch.allclose(got[k], want[k], atol=1e-6, rtol=1e-5) for k in want)
+
+
+def test_collect_shards_play_every_episode_once_and_merge_into_the_one_process_output(data, tmp_path):
+    play = ["collect.py", "--env", "webshop", "--policy", str(data["policy"]), "--split", "train", "--num-tasks", "3",
+            "--samples-per-task", "2", "--max-steps", "3", "--max-new-tokens", "8", "--temperature", "0",
+            "--num-envs", "2"]
+
+    def episodes(path: Path) -> dict[str, dict]:
+        trajs = common.read_jsonl(path)
+        assert len({t["id"] for t in trajs}) == len(trajs)  # none twice
+        return {t["id"]: t for t in trajs}
+
+    run_script(*play, "--out", str(tmp_path / "one.jsonl"))
+    one = episodes(tmp_path / "one.jsonl")
+    assert len(one) == 6
+    # under accelerate launch: each process a shard by its rank, the last to finish merges
+    launch(*play, "--out", str(tmp_path / "launched.jsonl"))
+    assert episodes(tmp_path / "launched.jsonl") == one
+    assert sorted(p.name for p in tmp_path.glob("launched*")) == [
+        "launched.args.json", "launched.jsonl", "launched.logs", "launched.summary.json", "launched.summary.md"]
+    # by hand, one shard at a time: the first alone merges nothing; run again it plays nothing; the second merges
+    sharded = tmp_path / "sharded.jsonl"
+    first = run_script(*play, "--out", str(sharded), "--shard", "0/2").stdout
+    assert "shard 0/2 done" in first and not sharded.exists()
+    assert len(common.read_jsonl(tmp_path / "sharded.shard0of2.jsonl")) == 3
+    assert "this run: 0 env steps" in run_script(*play, "--out", str(sharded), "--shard", "0/2").stdout
+    run_script(*play, "--out", str(sharded), "--shard", "1/2")
+    assert episodes(sharded) == one
+    assert not list(tmp_path.glob("sharded.shard*"))
+    summary = json.loads((tmp_path / "sharded.summary.json").read_text())
+    assert summary["episodes"] == 6 and summary == json.loads((tmp_path / "one.summary.json").read_text())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--policy", "expert", "--shard", "0/2"], "--shard: the expert's episodes are cheap"),
+    (["--policy", "POLICY", "--shard", "2/2"], "--shard 2/2: expected I/N with 0 <= I < N"),
+])
+def test_bad_shards_are_refused(argv, message, data, tmp_path):
+    argv = [str(data["policy"]) if a == "POLICY" else a for a in argv]
+    proc = run_script("collect.py", "--env", "webshop", "--out", str(tmp_path / "x.jsonl"), *argv, check=False)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_nproc_launches_the_training_stages_and_the_policys_rollouts(tmp_path):
+    def dry(**env) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "evolve.sh"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "DRY_RUN": "1", "RUN": str(tmp_path / "r"), **env})
+    lines = dry(NPROC="2").stdout.splitlines()
+    stages = {line.split()[1].rstrip(":").split("/r/")[1]: line for line in lines if line.startswith("[dry]")}
+    launched = {s for s, line in stages.items() if "accelerate launch --multi_gpu --num_processes 2 " in line}
+    assert launched == set(stages) - {"0/expert", "1/relabel", "2/relabel"}
+    assert all(" python " in stages[s] for s in ("0/expert", "1/relabel"))
+    assert "NPROC" not in dry(NPROC="2").stdout.split("DRY_RUN=1")[0]  # no setting: the same run either way
+    bad = dry(NPROC="two")
+    assert bad.returncode == 2 and "NPROC=two: the number of processes" in bad.stderr
+
+
+def test_the_smoke_loop_with_two_processes(tmp_path):
+    """NPROC=2 SMOKE=1 bash evolve.sh, one iteration: every stage under the launcher finishes, each rollout
+    once, and the loop reports as with one process."""
+    run = tmp_path / "run"
+    proc = subprocess.run(["bash", "evolve.sh"], cwd=ROOT, capture_output=True, text=True, timeout=1200,
+                          env={**os.environ, "SMOKE": "1", "NPROC": "2", "ITERS": "1", "RUN": str(run)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ids = [t["id"] for t in common.read_jsonl(run / "1" / "collect" / "self.jsonl")]
+    assert len(ids) == len(set(ids)) == 2 * 2  # 2 tasks × 2 samples, played by 2 shards, merged
+    assert sorted(p.name for p in (run / "1" / "collect" / "self.logs").iterdir()) == ["shard0of2", "shard1of2"]
+    assert "| BC |" in proc.stdout and "| Iter 1 |" in proc.stdout and (run / "report.html").exists()
+    assert models.read_meta(run / "1" / "bppo", "policy")["base_model"] == "tiny"
