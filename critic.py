@@ -368,7 +368,7 @@ def main() -> None:
     resume = common.Resume(
         out, args, lambda: {**{n: p for n, p in model.named_parameters() if p.requires_grad},
                             **{f"heads.{k}": v for k, v in heads.state_dict().items()}},  # Q̄ included
-        optimizer, None, lambda d: save_critic(model, heads, d, base_model))
+        optimizer, None, lambda d, _: save_critic(model, heads, d, base_model))
     step = resume.load()
     tracker = common.Tracker(out / "metrics.jsonl", out, args, resumed_step=step)
     n_steps = math.ceil(len(train) / args.grad_accum) * args.epochs

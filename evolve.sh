@@ -8,6 +8,7 @@
 #   PRESET=7b ENV=alfworld bash evolve.sh  # Llama-2-7B-Chat, 4-bit QLoRA, all tasks, ETO's prompt: one 24 GB GPU
 #   PROMPT=eto bash evolve.sh              # ETO's instruction and one-shot example (the paper's protocol), ETO's step caps
 #   VARIANT=rft SEED=2 bash evolve.sh      # a baseline or ablation instead of Q-Evolve, another seed
+#   NPROC=4 bash evolve.sh                 # every training stage and rollout as 4 processes (docs/scale.md)
 #   DRY_RUN=1 bash evolve.sh               # print the settings and every stage's command, run nothing
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -16,6 +17,12 @@ if [ "${SMOKE:-0}" = 1 ]; then
   : "${MODEL:=tiny}" "${RUN:=runs/smoke}" "${NUM_DEMOS:=2}" "${NUM_TASKS:=2}" "${NUM_EVAL:=1}" "${SAMPLES:=2}" "${MAX_STEPS:=3}"
   : "${BC_EPOCHS:=1}" "${CRITIC_EPOCHS:=1}" "${TASKS:=find-non-living-thing lifespan-longest-lived}"
 fi
+# FULL_FINETUNE=1: the policy trains every weight, as the paper does (bc.py --full-finetune; bppo.py and the
+# baselines go on with the checkpoint as it is), at full fine-tuning's rates: BC at ETO's 2e-5, BPPO at 2e-6. fp32
+# weights and AdamW state, ~16 bytes a parameter: a 7B policy wants several GPUs, NPROC=N FSDP=1 (docs/scale.md).
+# The critic stays a LoRA adapter on the base model.
+case "${FULL_FINETUNE:=0}" in 0) ;; 1) : "${BPPO_LR:=2e-6}" ;;
+  *) echo "FULL_FINETUNE=$FULL_FINETUNE: 0 (LoRA) or 1 (every weight)" >&2; exit 2 ;; esac
 if [ "${PRESET:-}" = 7b ]; then  # one 24 GB GPU, paper scale: every task of the env, its own step cap
   : "${MODEL:=meta-llama/Llama-2-7b-chat-hf}" "${TASKS=}" "${NUM_DEMOS:=0}" "${NUM_TASKS:=0}" "${NUM_EVAL:=0}" "${MAX_STEPS=}"
   : "${BC_EPOCHS:=3}" "${CRITIC_EPOCHS:=2}" "${BPPO_LR:=1e-5}" "${GRAD_ACCUM:=16}" "${BC_ACCUM:=16}" "${CRITIC_ACCUM:=16}"
@@ -44,6 +51,8 @@ case "$PROMPT" in short) ;; eto) : "${MAX_STEPS=}" ;; *) echo "PROMPT=$PROMPT: u
 : "${VARIANT:=qevolve}" "${PROCESS_REWARD:=gae}" "${KEEP_SELF:=0}" "${CANDIDATES:=5}" "${SEED:=1}" "${EVAL:=every}"
 case "$EVAL" in every|last) ;; *) echo "EVAL=$EVAL: use every (BC and each iteration) or last (BC and the last)" >&2; exit 2 ;; esac
 bc_extra=() critic_extra=() bppo_extra=()
+bc_start=()  # BC from the base model (the baselines' continued BC takes its checkpoint as it is)
+[ "$FULL_FINETUNE" = 1 ] && bc_start=(--full-finetune --lr 2e-5)
 # BF16=1: the training stages' forward and backward passes in bfloat16 autocast, weights and optimizer state in
 # fp32 (--bf16; 1.4x faster LoRA training on a CPU with AVX512-BF16; a 7B base is bf16 on CUDA anyway).
 # Rollouts stay in the model's own dtype, so that greedy episodes do not depend on how rows are batched.
@@ -85,7 +94,7 @@ critic_flags=(--process-reward "$PROCESS_REWARD" --epochs "$CRITIC_EPOCHS" --gra
 bppo_flags=(--epochs "$BPPO_EPOCHS" --lr "$BPPO_LR" --grad-accum "$GRAD_ACCUM" "${bppo_extra[@]}")
 settings=$(for v in ENV MODEL ITERS TASKS NUM_DEMOS NUM_TASKS NUM_EVAL SAMPLES TEMPERATURE MAX_STEPS BC_EPOCHS \
                     CRITIC_EPOCHS BPPO_EPOCHS BPPO_LR NUM_ENVS GRAD_ACCUM BC_ACCUM CRITIC_ACCUM CRITIC_TAU MAX_NEW_TOKENS VARIANT PROCESS_REWARD \
-                    KEEP_SELF PROMPT DEPARTURES CANDIDATES BF16 SEED EVAL; do
+                    KEEP_SELF PROMPT DEPARTURES CANDIDATES BF16 FULL_FINETUNE SEED EVAL; do
   printf '%-15s %s\n' "$v" "${!v}"; done)
 printf 'RUN            %s\n%s\n' "$RUN" "$settings"
 if [ "${DRY_RUN:-0}" = 1 ]; then
@@ -135,15 +144,19 @@ fi
 # NPROC=N: the training stages and the policy's rollouts as N data-parallel processes (accelerate launch; torchrun
 # underneath, gloo on a CPU, NCCL on GPUs): the same optimizer steps as one process, each rollout run playing a
 # shard of the episodes (docs/scale.md). Like TRACK it is no setting: it changes how the work is spread, not what
-# is computed (up to float rounding, and which random numbers each sampled episode draws).
-: "${NPROC:=1}"
+# is computed (up to float rounding, and which random numbers each sampled episode draws). FSDP=1 launches them
+# with FSDP instead: a full fine-tuning's weights, gradients and optimizer state sharded over the processes.
+: "${NPROC:=1}" "${FSDP:=0}"
 [[ "$NPROC" =~ ^[1-9][0-9]*$ ]] || { echo "NPROC=$NPROC: the number of processes, 1 or more" >&2; exit 2; }
+[[ "$FSDP" =~ ^[01]$ ]] || { echo "FSDP=$FSDP: 0 (each process holds the whole model) or 1 (sharded)" >&2; exit 2; }
 run=(python)
 [ "$NPROC" -gt 1 ] && run=(accelerate launch --multi_gpu --num_processes "$NPROC" --num_machines 1
                            --mixed_precision no --dynamo_backend no)
+[ "$NPROC" -gt 1 ] && [ "$FSDP" = 1 ] && run=(accelerate launch --use_fsdp --fsdp_version 2 --num_processes "$NPROC"
+                                            --num_machines 1 --mixed_precision no --dynamo_backend no)
 stage "$RUN/0/expert" python collect.py "${select[@]}" --policy expert --split train "${demo_tasks[@]}" --out "$expert"
 stage "$RUN/0/bc" "${run[@]}" bc.py --data "$expert" --model "$MODEL" --epochs "$BC_EPOCHS" --grad-accum "$BC_ACCUM" --out "$RUN/0/bc" \
-  "${bc_extra[@]}"
+  "${bc_start[@]}" "${bc_extra[@]}"
 evaluate 0 "$RUN/0/bc"
 # sft and rft take as many optimizer steps per iteration as BPPO does on a hybrid dataset of the demonstrations
 # and SAMPLES rollouts of each training task, at BPPO's learning rate and batch: only the objective and data differ.

@@ -79,24 +79,30 @@ def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load_base(name: str, load_in_4bit: bool | None = None, grad_ckpt: bool | None = False):
+def load_base(name: str, load_in_4bit: bool | None = None, grad_ckpt: bool | None = False,
+              full_finetune: bool = False, weights: str | None = None):
     """Base causal LM and tokenizer. 4-bit nf4 (QLoRA) by default on CUDA, plain fp32 on CPU;
     load_in_4bit=True also works on CPU (bitsandbytes has a CPU backend), which the tests use.
-    grad_ckpt=None: gradient checkpointing on CUDA only (BC on 2 CPU cores: 105 tokens/s without, 75 with)."""
+    grad_ckpt=None: gradient checkpointing on CUDA only (BC on 2 CPU cores: 105 tokens/s without, 75 with).
+    full_finetune: every weight trains, so fp32 weights even on CUDA (the passes can run in bf16: --bf16) and
+    never 4-bit. weights: a full fine-tuning's checkpoint folder to take the weights from (the tokenizer stays
+    the base model's)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
     dev = device()
+    if full_finetune and load_in_4bit:
+        raise UserError("a full fine-tuning trains every weight: it cannot train a 4-bit base (--no-load-in-4bit)")
     if load_in_4bit is None:
-        load_in_4bit = dev == "cuda"
+        load_in_4bit = dev == "cuda" and not full_finetune
     if grad_ckpt is None:
         grad_ckpt = dev == "cuda"
     path = resolve_model(name)
-    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    dtype = torch.bfloat16 if dev == "cuda" and not full_finetune else torch.float32
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=dtype) if load_in_4bit else None
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=quant,
+        model = AutoModelForCausalLM.from_pretrained(weights or path, dtype=dtype, quantization_config=quant,
                                                      device_map={"": dev})
     except (OSError, ValueError) as e:
         raise UserError(f"--model {name}: cannot load a causal LM from it ({str(e).splitlines()[0]})") from None
@@ -140,21 +146,37 @@ def read_meta(checkpoint: str | os.PathLike, kind: str) -> dict:
     return meta
 
 
-def save_policy(model, out_dir: str | os.PathLike, base_model: str) -> None:
-    """A policy checkpoint: the peft adapter 'policy' plus which base model it belongs to."""
+def is_full_finetune(model) -> bool:
+    """Whether the model trains every weight (bc.py --full-finetune) rather than a peft adapter."""
+    return not hasattr(model, "peft_config")
+
+
+def save_policy(model, out_dir: str | os.PathLike, base_model: str, weights: dict | None = None) -> None:
+    """A policy checkpoint: the peft adapter 'policy' (or, for a full fine-tuning, the whole model in
+    safetensors) plus which base model it belongs to. weights: the full fine-tuning's state dict when the model
+    itself holds only a shard of it (FSDP: Workers.full_weights)."""
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    save_adapter(model, "policy", out_dir)
-    write_json(Path(out_dir) / "qevolve.json", {"kind": "policy", "base_model": base_model})
+    full = is_full_finetune(model)
+    if full:
+        with atomic_dir(Path(out_dir) / "policy") as tmp:
+            model.save_pretrained(tmp, state_dict=weights)
+    else:
+        save_adapter(model, "policy", out_dir)
+    write_json(Path(out_dir) / "qevolve.json", {"kind": "policy", "base_model": base_model, "full_finetune": full})
 
 
 def load_policy(checkpoint: str, load_in_4bit: bool | None = None, trainable: bool = False,
                 grad_ckpt: bool | None = False):
     """(model, tokenizer, base_model) from a policy checkpoint written by save_policy."""
-    from peft import PeftModel
     meta = read_meta(checkpoint, "policy")
+    weights = str(Path(checkpoint) / "policy")
+    if meta.get("full_finetune"):  # the whole model: trained on in fp32, played with as a base is
+        model, tokenizer = load_base(meta["base_model"], load_in_4bit, grad_ckpt, full_finetune=trainable,
+                                     weights=weights)
+        return model.train(trainable), tokenizer, meta["base_model"]
+    from peft import PeftModel
     base, tokenizer = load_base(meta["base_model"], load_in_4bit, grad_ckpt)
-    model = PeftModel.from_pretrained(base, str(Path(checkpoint) / "policy"), adapter_name="policy",
-                                      is_trainable=trainable)
+    model = PeftModel.from_pretrained(base, weights, adapter_name="policy", is_trainable=trainable)
     return model, tokenizer, meta["base_model"]
 
 
@@ -189,6 +211,14 @@ def action_logprobs(model, input_ids, attention_mask, target_mask, with_entropy:
 
     Only the target positions go through the LM head: the vocabulary-wide logits of every position
     would dominate memory)."""
+    sharded = getattr(model, "sharded_logprobs", None)  # FSDP: with the root's gather and free around it
+    if sharded is not None:
+        return sharded(input_ids, attention_mask, target_mask, with_entropy, bf16)
+    return token_logprobs(model, input_ids, attention_mask, target_mask, with_entropy, bf16)
+
+
+def token_logprobs(model, input_ids, attention_mask, target_mask, with_entropy: bool = False, bf16: bool = False):
+    """action_logprobs' computation (FSDP runs it as a forward method of the root: common.Workers.shard)."""
     import torch
     hidden = last_hidden(model, input_ids, attention_mask, bf16)
     predict = torch.zeros_like(target_mask, dtype=torch.bool)

@@ -480,6 +480,9 @@ class Reranker:
         if meta["base_model"] != base_model:
             raise common.UserError(f"--rerank-with {checkpoint}: a critic on {meta['base_model']}, the policy is on "
                                    f"{base_model}")
+        if models.is_full_finetune(model):  # the critic's adapter belongs on the base weights, not on these
+            raise common.UserError(f"--rerank-with {checkpoint}: the policy is a full fine-tuning; reranking loads "
+                                   "the critic's adapter onto a LoRA policy's base model")
         model.load_adapter(str(Path(checkpoint) / "critic"), adapter_name="critic", is_trainable=False)
         model.set_adapter("policy")
         self.model, self.heads = model, load_heads(checkpoint, model.config.hidden_size).to(model.device)

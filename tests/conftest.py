@@ -61,6 +61,15 @@ def tiny_policy(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny_full_policy(sciworld_expert, tmp_path_factory) -> Path:
+    """A full fine-tuning of the tiny model, as bc.py --full-finetune writes it (one epoch)."""
+    out = tmp_path_factory.mktemp("tiny_full_policy")
+    run_script("bc.py", "--data", str(sciworld_expert), "--model", "tiny", "--full-finetune", "--epochs", "1",
+               "--lr", "1e-3", "--out", str(out))
+    return out
+
+
 def evolve(run: Path, **env) -> subprocess.Popen:
     """SMOKE=1 bash evolve.sh into run, with more settings; its output on stdout."""
     return subprocess.Popen(["bash", "evolve.sh"], cwd=ROOT, env={**os.environ, "SMOKE": "1", "RUN": str(run), **env},

@@ -1,4 +1,4 @@
-"""bc.py end to end on the tiny model: it learns, writes a loadable policy, and fails loudly on bad input."""
+"""bc.py end to end on the tiny model: it learns (a LoRA adapter, or every weight), writes a loadable policy, and\nfails loudly on bad input."""
 import json
 
 import pytest
@@ -93,3 +93,42 @@ def test_init_continues_a_policy_for_a_set_number_of_steps(sciworld_expert, tmp_
     proc = run_script("bc.py", "--init", str(first), "--data", str(tmp_path / "none.jsonl"), "--successes-only",
                       "--out", str(tmp_path / "o"), check=False)
     assert proc.returncode == 2 and "no successful trajectory (--successes-only)" in proc.stderr
+
+
+def test_a_full_finetuning_trains_every_weight_and_reloads(sciworld_expert, tiny_full_policy, tmp_path):
+    """--full-finetune: no adapter, every weight of the model trains; the checkpoint is the whole model, which
+    loads as the policy bc.py measured, and --init goes on training every weight."""
+    from safetensors.torch import load_file
+    out = tmp_path / "full"
+    run_script("bc.py", "--data", str(sciworld_expert), "--eval-data", str(sciworld_expert), "--model", "tiny",
+               "--full-finetune", "--epochs", "2", "--lr", "1e-3", "--grad-accum", "1", "--out", str(out))
+    result = json.loads((out / "eval.json").read_text())
+    assert result["heldout_nll_after"] < result["heldout_nll_before"] - 0.1, result
+    assert models.read_meta(out, "policy") == {"kind": "policy", "base_model": "tiny", "full_finetune": True}
+    assert not (out / "policy" / "adapter_model.safetensors").exists()
+    trained = load_file(str(out / "policy" / "model.safetensors"))
+    base = load_file(str(models.resolve_model("tiny") + "/model.safetensors"))
+    assert {k for k in base if not torch.equal(base[k], trained[k])} == set(base)  # every weight moved
+    model, tok, _ = models.load_policy(str(out))
+    assert models.is_full_finetune(model) and not model.training
+    nll, count = 0.0, 0
+    for traj in common.read_jsonl(sciworld_expert):
+        ids, spans = chat.tokenize_chat(tok, traj["messages"])
+        mask = torch.zeros(1, len(ids), dtype=torch.long)
+        for s, e in spans:
+            mask[0, s:e] = 1
+        with torch.no_grad():
+            logp = models.action_logprobs(model, torch.tensor([ids]), torch.ones_like(mask), mask)
+        nll, count = nll - logp.sum().item(), count + mask.sum().item()
+    assert abs(nll / count - result["heldout_nll_after"]) < 1e-4
+
+    more = tmp_path / "more"  # --init on a full fine-tuning: every weight goes on training
+    run_script("bc.py", "--init", str(tiny_full_policy), "--data", str(sciworld_expert), "--steps", "1",
+               "--lr", "1e-3", "--out", str(more))
+    before, after = (load_file(str(d / "policy" / "model.safetensors")) for d in (tiny_full_policy, more))
+    assert models.read_meta(more, "policy")["full_finetune"]
+    assert {k for k in before if not torch.equal(before[k], after[k])} == set(before)
+
+    proc = run_script("bc.py", "--data", str(sciworld_expert), "--model", "tiny", "--full-finetune",
+                      "--load-in-4bit", "True", "--out", str(tmp_path / "q"), check=False)
+    assert proc.returncode == 2 and "cannot train a 4-bit base" in proc.stderr and "Traceback" not in proc.stderr

@@ -84,6 +84,33 @@ def test_update_raises_positive_and_lowers_negative_actions(objective, bf16, tin
         assert sum_logp(out, bad) < sum_logp(tiny_policy, bad)
 
 
+def test_a_full_finetuning_updates_against_a_reference_of_its_own(tiny_full_policy, tiny_policy, sciworld_expert,
+                                                                   tmp_path):
+    """After bc.py --full-finetune: π_old is the whole model that trains, π_ref a whole model of its own (here a
+    step further than π_old, so the KL to it starts above 0); a LoRA policy with a full reference is refused."""
+    good, bad = common.read_jsonl(sciworld_expert)
+    for traj, a in ((good, 1.0), (bad, -len(good["steps"]) / len(bad["steps"]))):
+        for s in traj["steps"]:
+            s["advantage"] = a
+    data = tmp_path / "scored.jsonl"
+    common.write_jsonl(data, [good, bad])
+    ref = tmp_path / "ref"
+    run_script("bc.py", "--init", str(tiny_full_policy), "--data", str(sciworld_expert), "--steps", "1",
+               "--lr", "1e-3", "--out", str(ref))
+    out = tmp_path / "next"
+    run_script("bppo.py", "--data", str(data), "--policy", str(tiny_full_policy), "--reference", str(ref),
+               "--out", str(out), "--epochs", "3", "--lr", "1e-4", "--grad-accum", "2")
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[0]["approx_kl"] == pytest.approx(0.0, abs=1e-6) and metrics[0]["kl_ref"] > 1e-3
+    assert models.read_meta(out, "policy")["full_finetune"]
+    assert sum_logp(out, good) > sum_logp(tiny_full_policy, good)
+    assert sum_logp(out, bad) < sum_logp(tiny_full_policy, bad)
+
+    proc = run_script("bppo.py", "--data", str(data), "--policy", str(tiny_policy), "--reference",
+                      str(ref), "--out", str(tmp_path / "o"), check=False)
+    assert proc.returncode == 2 and "one is a LoRA adapter, the other a full fine-tuning" in proc.stderr
+
+
 def test_missing_advantage_is_a_clear_error(tiny_policy, sciworld_expert, tmp_path):
     proc = run_script("bppo.py", "--data", str(sciworld_expert), "--policy", str(tiny_policy),
                       "--reference", str(tiny_policy), "--out", str(tmp_path / "o"), check=False)

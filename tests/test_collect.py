@@ -268,3 +268,21 @@ def test_collect_with_a_reranking_critic(tiny_policy, tmp_path):
     assert len(trajs) == 2 and all(len(t["steps"]) == 2 for t in trajs)
     proc = run_script(*argv, "--temperature", "0", "--out", str(tmp_path / "greedy.jsonl"), check=False)
     assert proc.returncode == 2 and "--rerank-with: needs" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_full_finetuning_plays_and_is_refused_a_reranking_critic(tiny_full_policy, tmp_path):
+    """A whole-model policy (bc.py --full-finetune) plays as an adapter does; the critic's adapter belongs on a
+    LoRA policy's base weights, so reranking with it is refused."""
+    argv = ["collect.py", "--env", "webshop", "--policy", str(tiny_full_policy), "--num-tasks", "2", "--num-envs", "2",
+            "--max-steps", "2", "--max-new-tokens", "8"]
+    run_script(*argv, "--temperature", "0", "--out", str(tmp_path / "greedy.jsonl"))
+    trajs = common.read_jsonl(tmp_path / "greedy.jsonl")
+    assert len(trajs) == 2 and all(t["source"] == "policy" and len(t["steps"]) == 2 for t in trajs)
+    from peft import get_peft_model
+
+    import critic
+    base, _ = models.load_base("tiny")
+    model = get_peft_model(base, models.lora_config(8, 16, 0.0), adapter_name="critic")
+    critic.save_critic(model, critic.Heads(base.config.hidden_size), tmp_path / "critic", "tiny")
+    proc = run_script(*argv, "--rerank-with", str(tmp_path / "critic"), "--out", str(tmp_path / "r.jsonl"), check=False)
+    assert proc.returncode == 2 and "the policy is a full fine-tuning" in proc.stderr and "Traceback" not in proc.stderr

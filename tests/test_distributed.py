@@ -1,11 +1,13 @@
 """Several processes (docs/scale.md): bc.py, critic.py and bppo.py under `accelerate launch` with 2 processes on
-the CPU (gloo) take the same optimizer steps as one process and write one loadable checkpoint; a killed
-2-process run resumes; collect.py's shards play every episode exactly once and merge into the one-process output
-on WebShop (deterministic, greedy)."""
+the CPU (gloo) take the same optimizer steps as one process and write one loadable checkpoint; so do bc.py and
+bppo.py's full fine-tunings under an FSDP launch, their weights sharded; a killed 2-process run resumes (data
+parallel and FSDP); collect.py's shards play every episode exactly once and merge into the one-process output on
+WebShop (deterministic, greedy)."""
 import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,12 +20,13 @@ import critic
 import models
 from conftest import ROOT, run_script
 
-LAUNCH = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-          "--mixed_precision", "no", "--dynamo_backend", "no"]
+OPTIONS = ["--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+LAUNCH = ["accelerate", "launch", "--multi_gpu", *OPTIONS]
+FSDP = ["accelerate", "launch", "--use_fsdp", "--fsdp_version", "2", *OPTIONS]
 
 
-def launch(*argv: str, timeout: float = 600) -> str:
-    proc = subprocess.run([*LAUNCH, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def launch(*argv: str, timeout: float = 600, launcher: list[str] = LAUNCH) -> str:
+    proc = subprocess.run([*launcher, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -81,6 +84,87 @@ def test_two_processes_take_the_steps_of_one(stage, data):
         models.load_policy(str(two))
 
 
+@pytest.fixture(scope="module")
+def full(data):
+    """Two full fine-tunings of the tiny model (one process): BC, and BC continued a step (π_old ≠ π_ref)."""
+    bc, more = data["dir"] / "full-bc", data["dir"] / "full-more"
+    run_script("bc.py", "--data", str(data["expert"]), "--model", "tiny", "--full-finetune", "--out", str(bc))
+    run_script("bc.py", "--init", str(bc), "--data", str(data["expert"]), "--steps", "1", "--out", str(more))
+    return {"bc": bc, "more": more}
+
+
+def full_argv(stage: str, data: dict, full: dict, out: Path, epochs: int = 2) -> list[str]:
+    step = ["--grad-accum", "3", "--epochs", str(epochs), "--save-every", "1", "--out", str(out)]
+    return {"bc": ["bc.py", "--data", str(data["expert"]), "--model", "tiny", "--full-finetune", "--eval-frac", "0.34"],
+            "bppo": ["bppo.py", "--data", str(data["scored"]), "--policy", str(full["more"]), "--reference",
+                     str(full["bc"])]}[stage] + step
+
+
+def full_weights(out: Path) -> dict:
+    assert models.read_meta(out, "policy")["full_finetune"]
+    return load_file(str(out / "policy" / "model.safetensors"))
+
+
+@pytest.mark.parametrize("stage", ["bc", "bppo"])
+def test_an_fsdp_full_finetuning_takes_the_steps_of_one_process(stage, data, full):
+    """Weights, gradients and optimizer state sharded over 2 processes (bppo: π_ref a model of its own), an uneven
+    split of each step (3 trajectories), BC's held-out NLL measured by both: one process's weights and metrics."""
+    one, two = data["dir"] / f"one-full-{stage}", data["dir"] / f"fsdp-{stage}"
+    run_script(*full_argv(stage, data, full, one))
+    assert "FSDP: 3 units of weights sharded over 2 processes" in launch(*full_argv(stage, data, full, two),
+                                                                          launcher=FSDP)
+    want, got = full_weights(one), full_weights(two)
+    assert set(want) <= set(got)  # FSDP's gathered state also names the head tied to the embeddings
+    assert any(not torch.equal(want[k], load_file(str(full["more" if stage == "bppo" else "bc"] / "policy" /
+                                                        "model.safetensors"))[k]) for k in want)  # it trained
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=1e-5)
+    a, b = metrics(one), metrics(two)
+    assert [m["step"] for m in b] == [m["step"] for m in a] == [1, 2]
+    for key in [k for k in a[0] if k.startswith(("loss", "kl_", "clip", "approx"))]:
+        assert [m[key] for m in b] == pytest.approx([m[key] for m in a], rel=1e-5, abs=1e-7)
+    if stage == "bc":
+        assert json.loads((two / "eval.json").read_text()) == pytest.approx(json.loads((one / "eval.json").read_text()))
+    model, _, _ = models.load_policy(str(two))
+    assert model.lm_head.weight is model.get_input_embeddings().weight  # loads as the model it was
+
+
+def test_a_killed_fsdp_run_resumes_to_the_uninterrupted_result(data, full, tmp_path):
+    """The resume state gathers the shards of weights and AdamW moments; resumed, each process takes its shard."""
+    whole, out = tmp_path / "whole", tmp_path / "fsdp"
+    run_script(*full_argv("bc", data, full, whole, epochs=4))
+    proc = subprocess.Popen([*FSDP, *full_argv("bc", data, full, out, epochs=4)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    kill_after_first_state(proc, out)
+    assert "resuming from" in launch(*full_argv("bc", data, full, out, epochs=4), launcher=FSDP)
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3, 4]
+    want, got = full_weights(whole), full_weights(out)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=1e-5)
+
+
+def test_a_lora_adapter_under_an_fsdp_launch_trains_data_parallel(data, tmp_path):
+    run_script(*argv("bc", data, tmp_path / "one"))
+    proc = subprocess.run([*FSDP, *argv("bc", data, tmp_path / "two")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and "a LoRA adapter trains data-parallel" in proc.stderr
+    want, got = weights("bc", tmp_path / "one"), weights("bc", tmp_path / "two")
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=1e-5)
+
+
+def kill_after_first_state(proc: subprocess.Popen, out: Path) -> None:
+    """Kill a launch (the launcher and its workers) once it wrote step 1's resume state (--save-every 1)."""
+    state, deadline = out / "resume" / "state.pt", time.time() + 300
+    while not state.exists():
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its first resume state"
+        time.sleep(0.05)
+    for pid in [proc.pid, *descendants(proc.pid)]:  # torchrun's workers run in sessions of their own
+        os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "qevolve.json").exists()
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below pid, as /proc tells it."""
     parents = {}
@@ -103,14 +187,7 @@ def test_a_killed_two_process_run_resumes_to_the_uninterrupted_result(data, tmp_
     run_script(*argv("bc", data, whole, epochs=5))
     proc = subprocess.Popen([*LAUNCH, *argv("bc", data, out, epochs=5)], cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    state, deadline = out / "resume" / "state.pt", time.time() + 300
-    while not state.exists():  # step 1's resume state (--save-every 1): kill in the middle of the run
-        assert proc.poll() is None and time.time() < deadline, "bc ended before its first resume state"
-        time.sleep(0.05)
-    for pid in [proc.pid, *descendants(proc.pid)]:  # the launcher and its workers (torchrun's own sessions)
-        os.kill(pid, signal.SIGKILL)
-    proc.wait()
-    assert not (out / "qevolve.json").exists()
+    kill_after_first_state(proc, out)
     assert "resuming from" in launch(*argv("bc", data, out, epochs=5))
     assert [m["step"] for m in metrics(out)] == [1, 2, 3, 4, 5]
     want, got = weights("bc", whole), weights("bc", out)
@@ -170,6 +247,12 @@ def test_nproc_launches_the_training_stages_and_the_policys_rollouts(tmp_path):
     assert "NPROC" not in dry(NPROC="2").stdout.split("DRY_RUN=1")[0]  # no setting: the same run either way
     bad = dry(NPROC="two")
     assert bad.returncode == 2 and "NPROC=two: the number of processes" in bad.stderr
+    fsdp = dry(NPROC="2", FSDP="1", FULL_FINETUNE="1").stdout
+    assert "accelerate launch --use_fsdp --fsdp_version 2 --num_processes 2 " in fsdp and "--multi_gpu" not in fsdp
+    assert "--full-finetune --lr 2e-5" in fsdp.split("/0/bc: ")[1].splitlines()[0]
+    assert "FULL_FINETUNE   1" in fsdp and "BPPO_LR         2e-6" in fsdp
+    assert "--full-finetune" not in fsdp.split("/1/bppo: ")[1].splitlines()[0]  # bppo goes on with the checkpoint
+    assert dry(FSDP="yes").returncode == 2 and dry(FULL_FINETUNE="2").returncode == 2
 
 
 def test_the_smoke_loop_with_two_processes(tmp_path):
@@ -184,3 +267,9 @@ def test_the_smoke_loop_with_two_processes(tmp_path):
     assert sorted(p.name for p in (run / "1" / "collect" / "self.logs").iterdir()) == ["shard0of2", "shard1of2"]
     assert "| BC |" in proc.stdout and "| Iter 1 |" in proc.stdout and (run / "report.html").exists()
     assert models.read_meta(run / "1" / "bppo", "policy")["base_model"] == "tiny"
+
+
+def test_a_deepspeed_launch_is_refused(data, tmp_path):
+    proc = subprocess.run([sys.executable, *argv("bc", data, tmp_path / "o")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "ACCELERATE_USE_DEEPSPEED": "true"})
+    assert proc.returncode == 2 and "a DeepSpeed launch" in proc.stderr and "Traceback" not in proc.stderr
