@@ -256,17 +256,21 @@ def test_nproc_launches_the_training_stages_and_the_policys_rollouts(tmp_path):
 
 
 def test_the_smoke_loop_with_two_processes(tmp_path):
-    """NPROC=2 SMOKE=1 bash evolve.sh, one iteration: every stage under the launcher finishes, each rollout
-    once, and the loop reports as with one process."""
+    """FULL_FINETUNE=1 NPROC=2 FSDP=1 SMOKE=1 bash evolve.sh, one iteration (the paper's full fine-tuning, sharded;
+    each stage's data-parallel LoRA path is tested above): every stage under the launcher finishes, BC and BPPO
+    shard the whole model, each rollout is played once, and the loop reports as with one process."""
     run = tmp_path / "run"
     proc = subprocess.run(["bash", "evolve.sh"], cwd=ROOT, capture_output=True, text=True, timeout=1200,
-                          env={**os.environ, "SMOKE": "1", "NPROC": "2", "ITERS": "1", "RUN": str(run)})
+                          env={**os.environ, "SMOKE": "1", "NPROC": "2", "FSDP": "1", "FULL_FINETUNE": "1",
+                               "ITERS": "1", "RUN": str(run)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ids = [t["id"] for t in common.read_jsonl(run / "1" / "collect" / "self.jsonl")]
     assert len(ids) == len(set(ids)) == 2 * 2  # 2 tasks × 2 samples, played by 2 shards, merged
     assert sorted(p.name for p in (run / "1" / "collect" / "self.logs").iterdir()) == ["shard0of2", "shard1of2"]
     assert "| BC |" in proc.stdout and "| Iter 1 |" in proc.stdout and (run / "report.html").exists()
-    assert models.read_meta(run / "1" / "bppo", "policy")["base_model"] == "tiny"
+    assert proc.stdout.count("FSDP: 3 units of weights sharded over 2 processes") == 2  # bc, bppo
+    assert models.read_meta(run / "1" / "bppo", "policy") == {"kind": "policy", "base_model": "tiny",
+                                                              "full_finetune": True}
 
 
 def test_a_deepspeed_launch_is_refused(data, tmp_path):
