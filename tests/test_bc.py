@@ -10,6 +10,20 @@ import models
 from conftest import run_script, tensorboard_scalars
 
 
+def action_nll(model, tok, path) -> float:
+    """Mean NLL per action token of the file's trajectories, computed here as bc.py's eval.json should."""
+    nll, count = 0.0, 0
+    for traj in common.read_jsonl(path):
+        ids, spans = chat.tokenize_chat(tok, traj["messages"])
+        mask = torch.zeros(1, len(ids), dtype=torch.long)
+        for s, e in spans:
+            mask[0, s:e] = 1
+        with torch.no_grad():
+            logp = models.action_logprobs(model, torch.tensor([ids]), torch.ones_like(mask), mask)
+        nll, count = nll - logp.sum().item(), count + mask.sum().item()
+    return nll / count
+
+
 def test_bc_lowers_nll_and_writes_a_reloadable_policy(sciworld_expert, tmp_path):
     out = tmp_path / "bc"
     # Held-out = the training file itself: on the tiny random model we check learning, not generalisation.
@@ -34,16 +48,7 @@ def test_bc_lowers_nll_and_writes_a_reloadable_policy(sciworld_expert, tmp_path)
     # The checkpoint reloads onto a fresh base and scores actions exactly as eval.json says.
     model, tok, base = models.load_policy(str(out))
     assert base == "tiny"
-    nll, count = 0.0, 0
-    for traj in common.read_jsonl(sciworld_expert):
-        ids, spans = chat.tokenize_chat(tok, traj["messages"])
-        mask = torch.zeros(1, len(ids), dtype=torch.long)
-        for s, e in spans:
-            mask[0, s:e] = 1
-        with torch.no_grad():
-            logp = models.action_logprobs(model, torch.tensor([ids]), torch.ones_like(mask), mask)
-        nll, count = nll - logp.sum().item(), count + mask.sum().item()
-    assert abs(nll / count - result["heldout_nll_after"]) < 1e-4
+    assert abs(action_nll(model, tok, sciworld_expert) - result["heldout_nll_after"]) < 1e-4
 
 
 def test_policy_checkpoint_errors_are_clear(tmp_path):
@@ -111,16 +116,7 @@ def test_a_full_finetuning_trains_every_weight_and_reloads(sciworld_expert, tiny
     assert {k for k in base if not torch.equal(base[k], trained[k])} == set(base)  # every weight moved
     model, tok, _ = models.load_policy(str(out))
     assert models.is_full_finetune(model) and not model.training
-    nll, count = 0.0, 0
-    for traj in common.read_jsonl(sciworld_expert):
-        ids, spans = chat.tokenize_chat(tok, traj["messages"])
-        mask = torch.zeros(1, len(ids), dtype=torch.long)
-        for s, e in spans:
-            mask[0, s:e] = 1
-        with torch.no_grad():
-            logp = models.action_logprobs(model, torch.tensor([ids]), torch.ones_like(mask), mask)
-        nll, count = nll - logp.sum().item(), count + mask.sum().item()
-    assert abs(nll / count - result["heldout_nll_after"]) < 1e-4
+    assert abs(action_nll(model, tok, sciworld_expert) - result["heldout_nll_after"]) < 1e-4
 
     more = tmp_path / "more"  # --init on a full fine-tuning: every weight goes on training
     run_script("bc.py", "--init", str(tiny_full_policy), "--data", str(sciworld_expert), "--steps", "1",

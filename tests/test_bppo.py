@@ -55,17 +55,23 @@ def sum_logp(checkpoint, traj):
         return models.action_logprobs(model, torch.tensor([ids]), torch.ones_like(mask), mask).sum().item()
 
 
-@pytest.mark.parametrize("objective,bf16", [("bppo", False), ("awr", False), ("bppo", True)])
-def test_update_raises_positive_and_lowers_negative_actions(objective, bf16, tiny_policy, sciworld_expert, tmp_path):
-    good, bad = common.read_jsonl(sciworld_expert)
-    # The two share most of their tokens ("Thought: ... Action: ..."), so one LoRA update moves both: with +1 on
-    # the longer one's 12 steps and −1 on the other's 5, raising the first raised the second too (+3 nats). The
-    # advantages sum to 0 over the batch instead, as they would after standardising them.
+def good_and_bad(expert, tmp_path):
+    """The two demonstrations scored +1 (good) and − (bad), written to tmp_path/scored.jsonl.
+
+    The two share most of their tokens ("Thought: ... Action: ..."), so one LoRA update moves both: with +1 on
+    the longer one's 12 steps and −1 on the other's 5, raising the first raised the second too (+3 nats). The
+    advantages sum to 0 over the batch instead, as they would after standardising them."""
+    good, bad = common.read_jsonl(expert)
     for traj, a in ((good, 1.0), (bad, -len(good["steps"]) / len(bad["steps"]))):
         for s in traj["steps"]:
             s["advantage"] = a
-    data = tmp_path / "scored.jsonl"
-    common.write_jsonl(data, [good, bad])
+    common.write_jsonl(tmp_path / "scored.jsonl", [good, bad])
+    return good, bad, tmp_path / "scored.jsonl"
+
+
+@pytest.mark.parametrize("objective,bf16", [("bppo", False), ("awr", False), ("bppo", True)])
+def test_update_raises_positive_and_lowers_negative_actions(objective, bf16, tiny_policy, sciworld_expert, tmp_path):
+    good, bad, data = good_and_bad(sciworld_expert, tmp_path)
     out = tmp_path / "next"
     # lr 1e-3: at 1e-2 Adam moves every LoRA weight by ~lr per step whatever its gradient, the update leaves the
     # region where the surrogate predicts the change, and over 6 LoRA inits the sign of Δ log π was a coin flip.
@@ -88,12 +94,7 @@ def test_a_full_finetuning_updates_against_a_reference_of_its_own(tiny_full_poli
                                                                    tmp_path):
     """After bc.py --full-finetune: π_old is the whole model that trains, π_ref a whole model of its own (here a
     step further than π_old, so the KL to it starts above 0); a LoRA policy with a full reference is refused."""
-    good, bad = common.read_jsonl(sciworld_expert)
-    for traj, a in ((good, 1.0), (bad, -len(good["steps"]) / len(bad["steps"]))):
-        for s in traj["steps"]:
-            s["advantage"] = a
-    data = tmp_path / "scored.jsonl"
-    common.write_jsonl(data, [good, bad])
+    good, bad, data = good_and_bad(sciworld_expert, tmp_path)
     ref = tmp_path / "ref"
     run_script("bc.py", "--init", str(tiny_full_policy), "--data", str(sciworld_expert), "--steps", "1",
                "--lr", "1e-3", "--out", str(ref))
