@@ -130,7 +130,7 @@ def main() -> None:
     # Data first: a bad file must fail before the model is loaded.
     train, held = read_data(args, rng)
     print(f"{len(train)} training and {len(held)} held-out trajectories")
-    if args.init:  # a policy to continue: its adapter goes on training, on its own base model
+    if args.init:  # a policy to continue: its adapter (or every weight) goes on training, on its own base
         model, tokenizer, args.model = models.load_policy(args.init, args.load_in_4bit, trainable=True,
                                                           grad_ckpt=args.grad_ckpt)
     elif args.full_finetune:

@@ -180,13 +180,13 @@ def load_models(args: Args):
     """One base, two adapters: `policy` (trainable, starts as π_old) and `ref` (frozen π_ref). In iteration 1
     π_old is π_ref (both the BC checkpoint): then one adapter, and one pass gives both log-probabilities.
     A full fine-tuning's π_ref is a model of its own, loaded by old_and_ref_logprobs for its pass."""
-    ref_base = models.read_meta(args.reference, "policy")["base_model"]
+    ref_meta = models.read_meta(args.reference, "policy")
     same_ref = Path(args.policy).resolve() == Path(args.reference).resolve()
     model, tok, base_model = models.load_policy(args.policy, args.load_in_4bit, trainable=True,
                                                 grad_ckpt=args.grad_ckpt)
-    if ref_base != base_model:
+    if ref_meta["base_model"] != base_model:
         raise common.UserError(f"--reference {args.reference}: a policy on another base model than {base_model}")
-    if models.read_meta(args.reference, "policy").get("full_finetune", False) != models.is_full_finetune(model):
+    if ref_meta.get("full_finetune", False) != models.is_full_finetune(model):
         raise common.UserError(f"--reference {args.reference} and --policy {args.policy}: one is a LoRA adapter, "
                                "the other a full fine-tuning (bc.py --full-finetune); train both the same way")
     if not same_ref and not models.is_full_finetune(model):

@@ -298,12 +298,14 @@ class Resume:
         self.last_saved = step
         params = self.tensors()
         sharded = any(_is_sharded(v) for v in params.values())
+        if not sharded and not main_process():  # the processes hold the same weights: one writes them
+            return
         tensors = {k: _whole(v) for k, v in params.items()}  # FSDP: gathered, every process taking part
         optimizer = self.optimizer.state_dict()
         if sharded:
             optimizer["state"] = {i: {k: _whole(v) if torch.is_tensor(v) else v for k, v in moments.items()}
                                   for i, moments in optimizer["state"].items()}
-        if not main_process():  # the processes hold the same weights: one writes them
+        if not main_process():  # FSDP: process 0 writes what all gathered
             return
         with atomic_dir(self.dir) as tmp:
             torch.save({"args": self.args, "tensors": tensors, "optimizer": optimizer,

@@ -149,11 +149,11 @@ fi
 : "${NPROC:=1}" "${FSDP:=0}"
 [[ "$NPROC" =~ ^[1-9][0-9]*$ ]] || { echo "NPROC=$NPROC: the number of processes, 1 or more" >&2; exit 2; }
 [[ "$FSDP" =~ ^[01]$ ]] || { echo "FSDP=$FSDP: 0 (each process holds the whole model) or 1 (sharded)" >&2; exit 2; }
+parallel=(--multi_gpu)
+[ "$FSDP" = 1 ] && parallel=(--use_fsdp --fsdp_version 2)
 run=(python)
-[ "$NPROC" -gt 1 ] && run=(accelerate launch --multi_gpu --num_processes "$NPROC" --num_machines 1
+[ "$NPROC" -gt 1 ] && run=(accelerate launch "${parallel[@]}" --num_processes "$NPROC" --num_machines 1
                            --mixed_precision no --dynamo_backend no)
-[ "$NPROC" -gt 1 ] && [ "$FSDP" = 1 ] && run=(accelerate launch --use_fsdp --fsdp_version 2 --num_processes "$NPROC"
-                                            --num_machines 1 --mixed_precision no --dynamo_backend no)
 stage "$RUN/0/expert" python collect.py "${select[@]}" --policy expert --split train "${demo_tasks[@]}" --out "$expert"
 stage "$RUN/0/bc" "${run[@]}" bc.py --data "$expert" --model "$MODEL" --epochs "$BC_EPOCHS" --grad-accum "$BC_ACCUM" --out "$RUN/0/bc" \
   "${bc_start[@]}" "${bc_extra[@]}"
