@@ -20,8 +20,9 @@ from pathlib import Path
 import tyro
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path[:0] = [str(ROOT / "tools"), str(ROOT)]
 import report  # noqa: E402
+from common import read_jsonl  # noqa: E402
 from browser import Browser  # noqa: E402
 
 READY = "document.body.dataset.ready === '1'"
@@ -40,7 +41,7 @@ class Args:
 def synthetic_run(source: Path, folder: Path, n: int, steps: int, seed: int) -> Path:
     """A run folder with one iteration whose scored data holds n trajectories of `steps` steps each."""
     rng = random.Random(seed)
-    trajs = report.read_jsonl(source / "1" / "critic" / "scored.jsonl")
+    trajs = read_jsonl(source / "1" / "critic" / "scored.jsonl")
     (folder / "1" / "critic").mkdir(parents=True)
     settings = (source / "settings.txt").read_text().splitlines()
     (folder / "settings.txt").write_text("\n".join("ITERS          1" if line.startswith("ITERS ") else line

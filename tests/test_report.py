@@ -95,6 +95,12 @@ def test_an_unfinished_run_still_gets_its_page_and_a_wrong_folder_a_clear_error(
     proc = run_script("tools/report.py", str(tmp_path / "nothing"), check=False)
     assert proc.returncode != 0 and "no settings.txt" in proc.stderr and "Traceback" not in proc.stderr
 
+    expert = partial / "0" / "expert" / "train.jsonl"
+    lines = expert.read_text().splitlines()
+    expert.write_text("\n".join(lines + ['{"id": "cut short"']) + "\n")  # a write that stopped mid-line
+    proc = run_script("tools/report.py", str(partial), check=False)
+    assert proc.returncode == 2 and f"train.jsonl:{len(lines) + 1}" in proc.stderr and "Traceback" not in proc.stderr
+
 
 def test_the_scale_benchmark_builds_and_opens_a_large_page(smoke_run):
     run, _ = smoke_run

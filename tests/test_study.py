@@ -38,6 +38,22 @@ def test_paired_differences_match_tasks_within_a_seed():
     assert [d.tolist() for d in diffs] == [[0.0, -100.0], [-50.0]]
 
 
+def test_a_variant_is_measured_against_the_bc_it_started_from(tmp_path):
+    def policy(it, seen):  # one seen and one unseen task
+        return {"iteration": it, "train_env_steps": 0, "seen": {"t/1": {"reward": seen, "success": 0.0}},
+                "unseen": {"t/2": {"reward": 0.0, "success": 0.0}}}
+    records = {("qevolve", 1): {"policies": [policy(0, 20.0), policy(1, 30.0)], "shared_stages": [],
+                                "stage_seconds": {}},
+               # sft's run trained its own BC (Q-Evolve's folder was gone): 50, and its policy 60 → Δ BC +10,
+               # where against Q-Evolve's BC (20) it would read +40
+               ("sft", 1): {"policies": [policy(0, 50.0), policy(1, 60.0)], "shared_stages": [], "stage_seconds": {}}}
+    text = study.report(records, ("qevolve", "sft"), tmp_path, resamples=100, smoke=True)
+    table = text.split("Q-Evolve's last policy minus")[0]  # the policies' table, not the one below it
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines() if line.startswith("| ")}
+    assert "+10.0 [+10.0, +10.0]" in rows["SFT (more BC)"] and "+10.0 [+10.0, +10.0]" in rows["Q-Evolve, iter 1"]
+    assert "| 20.0 [20.0, 20.0] |" in rows["BC"]  # the BC row is still Q-Evolve's
+
+
 def test_a_record_matches_its_settings_and_those_added_since_at_their_default():
     recorded = "ENV             sciworld\nTASKS           a b\nSEED            1"
     assert study.same_settings(recorded, recorded, {"SEED": "1"})

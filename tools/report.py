@@ -25,8 +25,9 @@ from pathlib import Path
 import numpy as np
 import tyro
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
 import results  # noqa: E402
+from common import UserError, read_jsonl, run_stage  # noqa: E402  (the trajectory schema; no torch)
 
 TEMPLATE = Path(__file__).with_name("report_page.html")
 GROUPS = {"expert": "#4c72b0", "policy, success": "#55a868", "policy, failure": "#c44e52"}
@@ -54,9 +55,9 @@ class Args:
 def main(args: Args) -> Path:
     run = args.run
     if not (run / "settings.txt").exists():
-        sys.exit(f"{run}: no settings.txt; is it a folder evolve.sh wrote?")
+        raise UserError(f"{run}: no settings.txt; is it a folder evolve.sh wrote?")
     if args.study and not (args.study / "results.md").exists():
-        sys.exit(f"{args.study}: no results.md; is it a study's --out folder?")
+        raise UserError(f"{args.study}: no results.md; is it a study's --out folder?")
     settings = results.parse_settings((run / "settings.txt").read_text())
     iters = int(settings.get("ITERS", "0"))
     datasets = collect_datasets(run, iters)
@@ -97,11 +98,6 @@ def screenshot(page: Path, path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- the trajectories
-def read_jsonl(path: Path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def collect_datasets(run: Path, iters: int) -> list[dict]:
     """Every set of trajectories the run wrote, in the loop's order: the demonstrations and BC's evaluation,
     then per iteration its training data (the critic's scored file where there is one, else the relabelled or the
@@ -122,7 +118,7 @@ def collect_datasets(run: Path, iters: int) -> list[dict]:
     datasets = []
     for key, label, path in found:
         if path.exists():
-            trajs = [compact(t) for t in read_jsonl(path)]
+            trajs = [compact(t) for t in read_jsonl(path, allow_empty=True)]  # a bad line: named, no traceback
             datasets.append({"key": key, "label": f"{label} ({len(trajs)})", "n": len(trajs), "trajs": trajs,
                              "scale": advantage_scale(trajs), "path": path})
     return datasets
@@ -219,7 +215,8 @@ def metrics(path: Path) -> list[dict]:
     """A stage's metrics per step; a resumed stage's redone steps count once (the last)."""
     if not path.exists():
         return []
-    by_step = {row["step"]: row for row in read_jsonl(path)}
+    with open(path) as f:
+        by_step = {row["step"]: row for row in map(json.loads, filter(str.strip, f))}
     return [by_step[s] for s in sorted(by_step)]
 
 
@@ -359,4 +356,4 @@ def img(path: Path, alt: str) -> str:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    run_stage(lambda: main(tyro.cli(Args)))

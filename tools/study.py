@@ -274,6 +274,19 @@ def policy_rows(records: dict[tuple[str, int], dict], variants: tuple[str, ...])
     return [r for r in rows if r[2]["seen"]]
 
 
+def own_start(records: dict[tuple[str, int], dict], variant: str) -> dict[str, dict[int, dict]]:
+    """{split: {seed: outcomes}} of the BC policy each of the variant's runs started from, where its record holds
+    that evaluation: a run that could not share Q-Evolve's BC (its folder gone) trained its own, by the same
+    command, and is measured against that one."""
+    own = {s: {} for s in SPLITS}
+    for (v, seed), rec in records.items():
+        start = next((p for p in rec["policies"] if p["iteration"] == 0), None)
+        if v == variant and start:
+            for s in SPLITS:
+                own[s][seed] = start[s]
+    return own
+
+
 def fmt(mean: float, low: float, high: float, sign: bool = False) -> str:
     return f"{mean:+.1f} [{low:+.1f}, {high:+.1f}]" if sign else f"{mean:.1f} [{low:.1f}, {high:.1f}]"
 
@@ -286,9 +299,10 @@ def report(records: dict[tuple[str, int], dict], variants: tuple[str, ...], out:
     stats = []
     for variant, name, outcomes in rows:
         r = {"variant": variant, "name": name, "seeds": len(outcomes["seen"])}
+        own_bc = own_start(records, variant)
         for s in SPLITS:
             r[s] = {m: bootstrap(values(outcomes[s], m), resamples, rng=rng) for m in ("reward", "success")}
-            r[s]["delta"] = (bootstrap(paired(outcomes[s], bc[s], "reward"), resamples, rng=rng)
+            r[s]["delta"] = (bootstrap(paired(outcomes[s], {**bc[s], **own_bc[s]}, "reward"), resamples, rng=rng)
                              if variant != "bc" else None)
             r[s]["episodes"] = sum(len(o) for o in outcomes[s].values())
         r["train_env_steps"] = round(float(np.mean(list(outcomes["steps"].values()))))
