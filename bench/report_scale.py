@@ -54,7 +54,10 @@ def synthetic_run(source: Path, folder: Path, n: int, steps: int, seed: int) -> 
             for s in cycled:  # values of their own, so the plots and colours are not a few repeated points
                 s["value"], s["q"], s["advantage"] = (s["value"] + rng.gauss(0, 0.1), s.get("q", 0.0) + rng.gauss(0, 0.1),
                                                       s["advantage"] + rng.gauss(0, 0.1))
-            f.write(json.dumps({**t, "id": f"{t['id']}/copy{i}", "steps": cycled}) + "\n")
+            more = [{"role": role, "content": s[field]} for s in cycled[len(t["steps"]):]  # the transcript goes on
+                    for role, field in (("assistant", "text"), ("user", "observation"))]
+            f.write(json.dumps({**t, "id": f"{t['id']}/copy{i}", "steps": cycled, "messages": t["messages"] + more})
+                    + "\n")
     return folder
 
 

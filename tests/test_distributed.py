@@ -61,6 +61,19 @@ def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def assert_same_training(got: dict, want: dict) -> None:
+    """Weights trained by N processes against one process's: equal up to the order of float sums. Summed in
+    another order a gradient differs in its last bits, and AdamW, which divides each gradient by its own running
+    size, turns that into a visible difference where a gradient is a near-cancelling sum: on an AVX-512 Xeon one
+    LoRA weight of 2048 came out 4e-6 apart (a hundredth of one step at BC's lr 5e-4). A lost or doubled share of
+    a step moves nearly every weight by a large part of a step."""
+    assert want.keys() <= got.keys()
+    for k in want:
+        diff = (got[k].float() - want[k].float()).abs()
+        off = (diff > 1e-6 + 1e-5 * want[k].float().abs()).float().mean().item()
+        assert diff.max() <= 2e-5 and off <= 0.01, f"{k}: max difference {diff.max():.2e}, {off:.1%} of it off"
+
+
 @pytest.mark.parametrize("stage", ["bc", "critic", "bppo"])
 def test_two_processes_take_the_steps_of_one(stage, data):
     one, two = data["dir"] / f"one-{stage}", data["dir"] / f"two-{stage}"
@@ -68,8 +81,7 @@ def test_two_processes_take_the_steps_of_one(stage, data):
     launch(*argv(stage, data, two))
     want, got = weights(stage, one), weights(stage, two)
     assert want.keys() == got.keys()
-    for k in want:  # the same global batch and data order: equal up to the order of float sums
-        torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=1e-5)
+    assert_same_training(got, want)  # the same global batch and data order
     # process 0 alone logged: one line per step, the losses of the whole step
     a, b = metrics(one), metrics(two)
     assert [m["step"] for m in b] == [m["step"] for m in a] == [1, 2]
@@ -117,8 +129,7 @@ def test_an_fsdp_full_finetuning_takes_the_steps_of_one_process(stage, data, ful
     assert set(want) <= set(got)  # FSDP's gathered state also names the head tied to the embeddings
     assert any(not torch.equal(want[k], load_file(str(full["more" if stage == "bppo" else "bc"] / "policy" /
                                                         "model.safetensors"))[k]) for k in want)  # it trained
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=1e-5)
+    assert_same_training(got, want)
     a, b = metrics(one), metrics(two)
     assert [m["step"] for m in b] == [m["step"] for m in a] == [1, 2]
     for key in [k for k in a[0] if k.startswith(("loss", "kl_", "clip", "approx"))]:
@@ -139,8 +150,7 @@ def test_a_killed_fsdp_run_resumes_to_the_uninterrupted_result(data, full, tmp_p
     assert "resuming from" in launch(*full_argv("bc", data, full, out, epochs=4), launcher=FSDP)
     assert [m["step"] for m in metrics(out)] == [1, 2, 3, 4]
     want, got = full_weights(whole), full_weights(out)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=1e-5)
+    assert_same_training(got, want)
 
 
 def test_a_lora_adapter_under_an_fsdp_launch_trains_data_parallel(data, tmp_path):
@@ -149,8 +159,7 @@ def test_a_lora_adapter_under_an_fsdp_launch_trains_data_parallel(data, tmp_path
                           timeout=600)
     assert proc.returncode == 0 and "a LoRA adapter trains data-parallel" in proc.stderr
     want, got = weights("bc", tmp_path / "one"), weights("bc", tmp_path / "two")
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=1e-5)
+    assert_same_training(got, want)
 
 
 def kill_after_first_state(proc: subprocess.Popen, out: Path) -> None:
@@ -191,7 +200,7 @@ def test_a_killed_two_process_run_resumes_to_the_uninterrupted_result(data, tmp_
     assert "resuming from" in launch(*argv("bc", data, out, epochs=5))
     assert [m["step"] for m in metrics(out)] == [1, 2, 3, 4, 5]
     want, got = weights("bc", whole), weights("bc", out)
-    assert all(torch.allclose(got[k], want[k], atol=1e-6, rtol=1e-5) for k in want)
+    assert_same_training(got, want)
 
 
 def test_collect_shards_play_every_episode_once_and_merge_into_the_one_process_output(data, tmp_path):
