@@ -251,40 +251,31 @@ def write_atomic(path: Path, text: str) -> None:
 # ----------------------------------------------------------------------------- report
 
 
-def policy_rows(records: dict[tuple[str, int], dict], variants: tuple[str, ...]) -> list[tuple[str, str, dict]]:
-    """(variant, name, {split: {seed: outcomes}, "steps": {seed: train env steps}}): BC once (each seed's own),
-    then Q-Evolve's iterations, then each other variant's last policy."""
-    def gather(variant, iteration):
-        row = {s: {} for s in (*SPLITS, "steps")}
-        prefer = "qevolve" if variant == "bc" else variant
-        for (v, seed), rec in sorted(records.items(), key=lambda kv: (kv[0][0] != prefer, kv[0][1])):
-            p = next((p for p in rec["policies"] if p["iteration"] == iteration), None)
-            if (v == variant or variant == "bc") and p and seed not in row["steps"]:
-                for s in SPLITS:
-                    row[s][seed] = p[s]
-                row["steps"][seed] = p["train_env_steps"]
-        return row
+def gather(records: dict[tuple[str, int], dict], variant: str, iteration: int) -> dict[str, dict]:
+    """{split: {seed: outcomes}, "steps": {seed: train env steps}} of the variant's policy after `iteration`, one per
+    seed. "bc" takes iteration 0 of each seed's Q-Evolve record, else of any run of that seed; a variant's own
+    iteration 0 is the BC its runs started from (their own where they could not share Q-Evolve's)."""
+    row = {s: {} for s in (*SPLITS, "steps")}
+    prefer = "qevolve" if variant == "bc" else variant
+    for (v, seed), rec in sorted(records.items(), key=lambda kv: (kv[0][0] != prefer, kv[0][1])):
+        p = next((p for p in rec["policies"] if p["iteration"] == iteration), None)
+        if (v == variant or variant == "bc") and p and seed not in row["steps"]:
+            for s in SPLITS:
+                row[s][seed] = p[s]
+            row["steps"][seed] = p["train_env_steps"]
+    return row
 
-    rows = [("bc", "BC", gather("bc", 0))]  # BC from each seed's Q-Evolve record, else any run of that seed
+
+def policy_rows(records: dict[tuple[str, int], dict], variants: tuple[str, ...]) -> list[tuple[str, str, dict]]:
+    """(variant, name, gather's outcomes): BC once (each seed's own), then Q-Evolve's iterations, then each other
+    variant's last policy."""
+    rows = [("bc", "BC", gather(records, "bc", 0))]
     for variant in variants:
         iters = sorted({p["iteration"] for (v, _), r in records.items() if v == variant for p in r["policies"]} - {0})
         for it in iters if variant == "qevolve" else iters[-1:]:
             name = f"{LABELS[variant]}, iter {it}" if variant == "qevolve" else LABELS[variant]
-            rows.append((variant, name, gather(variant, it)))
+            rows.append((variant, name, gather(records, variant, it)))
     return [r for r in rows if r[2]["seen"]]
-
-
-def own_start(records: dict[tuple[str, int], dict], variant: str) -> dict[str, dict[int, dict]]:
-    """{split: {seed: outcomes}} of the BC policy each of the variant's runs started from, where its record holds
-    that evaluation: a run that could not share Q-Evolve's BC (its folder gone) trained its own, by the same
-    command, and is measured against that one."""
-    own = {s: {} for s in SPLITS}
-    for (v, seed), rec in records.items():
-        start = next((p for p in rec["policies"] if p["iteration"] == 0), None)
-        if v == variant and start:
-            for s in SPLITS:
-                own[s][seed] = start[s]
-    return own
 
 
 def fmt(mean: float, low: float, high: float, sign: bool = False) -> str:
@@ -299,7 +290,7 @@ def report(records: dict[tuple[str, int], dict], variants: tuple[str, ...], out:
     stats = []
     for variant, name, outcomes in rows:
         r = {"variant": variant, "name": name, "seeds": len(outcomes["seen"])}
-        own_bc = own_start(records, variant)
+        own_bc = gather(records, variant, 0)  # a run is measured against the BC it started from
         for s in SPLITS:
             r[s] = {m: bootstrap(values(outcomes[s], m), resamples, rng=rng) for m in ("reward", "success")}
             r[s]["delta"] = (bootstrap(paired(outcomes[s], {**bc[s], **own_bc[s]}, "reward"), resamples, rng=rng)
