@@ -56,6 +56,10 @@ class Args:
     normalize_adv: bool = False
     """standardise advantages over the steps of each optimizer batch (a departure: the paper's process reward
     is the GAE advantage itself)"""
+    center_adv: bool = False
+    """subtract the mean step advantage over the whole dataset (a departure): a failure-heavy dataset's process
+    rewards are mostly negative, which pushes down most of its actions; centred, BPPO raises the actions that
+    did better than the data's average and lowers those that did worse"""
     max_grad_norm: float | None = None
     """clip the gradient's norm (a departure, off in the paper's setting)"""
     epochs: int = 1
@@ -114,6 +118,7 @@ def main() -> None:
     model, tok, base_model, same_ref = load_models(args)
     model = workers.shard(model)  # an FSDP launch: a full fine-tuning's weights sharded over the processes
     batches = encode(trajs, tok, model, args)
+    data_mean = float(torch.tensor([a for b in batches for a in b["step_adv"]]).mean()) if args.center_adv else 0.0
     # π_old and π_ref are fixed during the update: their log-probabilities once, from the starting weights (a
     # resumed run recomputes them the same way), then only the `policy` adapter (or every weight) trains.
     old_and_ref_logprobs(model, batches, same_ref, args)
@@ -134,7 +139,7 @@ def main() -> None:
         rng.shuffle(order)
         for i in resume.groups(len(order), args.grad_accum):
             group = [batches[j] for j in order[i:i + args.grad_accum]]
-            mean, std = advantage_scale(group, args)
+            mean, std = advantage_scale(group, args, data_mean)
             n_tokens = sum(b["mask"].sum().item() for b in group)
             logs = defaultdict(float)
             for b in workers.share(group):
@@ -245,12 +250,13 @@ def trainable(model) -> list[torch.nn.Parameter]:
     return params
 
 
-def advantage_scale(group: list[dict], args: Args) -> tuple[float, float]:
-    """(mean, std) of the batch's step advantages with --normalize-adv (a departure), else (0, 1)."""
+def advantage_scale(group: list[dict], args: Args, data_mean: float = 0.0) -> tuple[float, float]:
+    """What the advantages are shifted by and divided by: (mean, std) of the batch's step advantages with
+    --normalize-adv, (the dataset's mean, 1) with --center-adv (both departures), else (0, 1)."""
     step_adv = torch.tensor([a for b in group for a in b["step_adv"]])
     if args.normalize_adv and len(step_adv) > 1:
         return step_adv.mean().item(), step_adv.std().item()
-    return 0.0, 1.0
+    return (data_mean if args.center_adv else 0.0), 1.0
 
 
 @torch.no_grad()

@@ -38,7 +38,7 @@ from tqdm import tqdm
 import chat
 import common
 import models
-from envs import ENVS, Task, TextEnv, make_env
+from envs import ENVS, Task, TextEnv, draw_tasks, make_env, read_task_list
 from rollout import Conversation, Engine, Reranker, env_step, for_rollouts, trajectory
 from envs.sciworld import eto_task_name
 
@@ -54,6 +54,12 @@ class Args:
     split: tuple[Literal["train", "seen", "unseen"], ...] = ("train",)
     """train | seen (dev) | unseen (test); several (`--split seen unseen`) play in one run, sharing the model and
     the slots, each split into its own file: --out then holds `{split}`"""
+    task_file: tuple[str, ...] = ()
+    """task lists in place of --split: NAME=FILE (or FILE, named by its stem), one `family/variation` a line
+    (data/tasks/); each list plays into --out with `{split}` replaced by its NAME, its trajectories labelled NAME"""
+    round: int | None = None
+    """with --task-file and --num-tasks N: play the R-th draw of N tasks from the list, fresh tasks every round
+    and the families in equal shares (envs.draw_tasks, in an order seeded by --seed); evolve.sh's iteration"""
     task_names: tuple[str, ...] = ()
     """keep only these task families (ScienceWorld tasks, ALFWorld task types, WebShop categories)"""
     num_tasks: int | None = None
@@ -139,16 +145,24 @@ def play_expert(env: TextEnv, task: Task, traj_id: str, iteration: int, prompt: 
     return trajectory(env, task, traj_id, "expert", iteration, info, obs0, messages, steps, score, won)
 
 
-def select_tasks(env: TextEnv, split: str, args: Args) -> list[Task]:
-    """The split's tasks of the families in --task-names (all when it is empty)."""
-    tasks = env.tasks(split)
-    if args.task_names:
-        known = sorted({t.name for t in tasks})
-        if unknown := [n for n in args.task_names if n not in known]:
-            raise common.UserError(f"--task-names {' '.join(unknown)}: not in {args.env} {split}; "
-                                   f"its families are: {' '.join(known)}")
-        tasks = [t for t in tasks if t.name in args.task_names]
-    return tasks
+def task_sets(env: TextEnv, args: Args) -> dict[str, list[Task]]:
+    """{name: tasks}: each --split's tasks, or each --task-file's (its --round draw), of the families in
+    --task-names (all when it is empty)."""
+    if args.task_file:
+        named = [f.split("=", 1) if "=" in f else (Path(f).stem, f) for f in args.task_file]
+        sets = {name: read_task_list(path, env, name) for name, path in named}
+    else:
+        sets = {split: env.tasks(split) for split in args.split}
+    for name, tasks in sets.items():
+        if args.task_names:
+            known = sorted({t.name for t in tasks})
+            if unknown := [n for n in args.task_names if n not in known]:
+                raise common.UserError(f"--task-names {' '.join(unknown)}: not in {args.env} {name}; "
+                                       f"its families are: {' '.join(known)}")
+            sets[name] = tasks = [t for t in tasks if t.name in args.task_names]
+        if args.round is not None:
+            sets[name] = draw_tasks(tasks, args.num_tasks, args.round, args.seed)
+    return sets
 
 
 def summarize(trajs: list[dict], split: str, args: Args) -> dict:
@@ -168,10 +182,6 @@ def main() -> None:
     shard, shards = which_shard(args)
     common.seed_everything(args.seed + shard)  # shards sample independently of each other
     check_args(args)
-    outs = {split: Path(args.out.replace("{split}", split)) for split in args.split}
-    mine = {split: shard_file(out, shard, shards) for split, out in outs.items()}  # where this process writes
-    done_ids = {t["id"] for out in [*outs.values(), *mine.values()] if out.exists()
-                for t in common.read_jsonl(out, allow_empty=True)}
     reranker = None
     if args.policy != "expert":
         model, tok, base_model = models.load_policy(args.policy, args.load_in_4bit)
@@ -180,7 +190,11 @@ def main() -> None:
         model.eval()
     envs = [make_env(args.env) for _ in range(1 if args.policy == "expert" else args.num_envs)]
     prompt, paper_cap = chat.Prompt(args.prompt, args.env, envs[0].system_prompt), envs[0].max_steps
-    tasks = {split: select_tasks(envs[0], split, args) for split in args.split}
+    tasks = task_sets(envs[0], args)
+    outs = {split: Path(args.out.replace("{split}", split)) for split in tasks}
+    mine = {split: shard_file(out, shard, shards) for split, out in outs.items()}  # where this process writes
+    done_ids = {t["id"] for out in [*outs.values(), *mine.values()] if out.exists()
+                for t in common.read_jsonl(out, allow_empty=True)}
     for out in outs.values():
         out.parent.mkdir(parents=True, exist_ok=True)
         if shard == 0:
@@ -188,18 +202,18 @@ def main() -> None:
 
     # the first --num-tasks tasks of each split, --samples-per-task times; with the expert, the tasks after them
     # take the place of those whose expert path is longer than the cap
-    target = {split: min(args.num_tasks or len(ts), len(ts)) for split, ts in tasks.items()}
+    target = {split: len(ts) if args.round else min(args.num_tasks or len(ts), len(ts)) for split, ts in tasks.items()}
     extra = {split: iter(ts[target[split]:]) for split, ts in tasks.items()}
     source = "expert" if args.policy == "expert" else "policy"
     todo = [(task, f"{task.key}/{source}{k}") for split, ts in tasks.items() for task in ts[:target[split]]
             for k in range(args.samples_per_task)]
     ours = todo[shard::shards]
     pending = [(task, i) for task, i in ours if i not in done_ids]
-    logs = Path(args.out.replace("{split}", "_".join(args.split))).with_suffix(".logs")
+    logs = Path(args.out.replace("{split}", "_".join(tasks))).with_suffix(".logs")
     if shards > 1:
         logs = logs / f"shard{shard}of{shards}"
     tracker = common.Tracker(logs / "metrics.jsonl", logs, args, resumed_step=len(ours) - len(pending), on=True)
-    bar = tqdm(total=len(ours), initial=len(ours) - len(pending), desc=f"{args.env} {' '.join(args.split)}",
+    bar = tqdm(total=len(ours), initial=len(ours) - len(pending), desc=f"{args.env} {' '.join(tasks)}",
                unit="episode")
     won, steps, skipped, too_long, t0 = 0, 0, 0, 0, time.time()
 
@@ -316,8 +330,12 @@ def check_args(args: Args) -> None:
     if (args.shard or int(os.environ.get("WORLD_SIZE", "1")) > 1) and args.policy == "expert":
         raise common.UserError("--shard: the expert's episodes are cheap and its skipped tasks are replaced in "
                                "order; play them in one process")
-    if len(args.split) > 1 and "{split}" not in args.out:
-        raise common.UserError(f"--split {' '.join(args.split)}: --out must hold {{split}}, one file per split")
+    sets = args.task_file or args.split
+    if len(sets) > 1 and "{split}" not in args.out:
+        raise common.UserError(f"{'--task-file' if args.task_file else '--split'} {' '.join(sets)}: --out must "
+                               "hold {split}, one file per task set")
+    if args.round is not None and not (args.task_file and args.num_tasks and args.round >= 1):
+        raise common.UserError("--round R: draws --num-tasks tasks from each --task-file; give both, R >= 1")
     if args.rerank_with and (args.policy == "expert" or args.temperature <= 0 or args.candidates < 2):
         raise common.UserError("--rerank-with: needs a policy checkpoint, --temperature > 0 and --candidates >= 2 "
                                "(greedy decoding would give the critic one candidate to choose from)")

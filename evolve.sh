@@ -48,7 +48,15 @@ case "$PROMPT" in short) ;; eto) : "${MAX_STEPS=}" ;; *) echo "PROMPT=$PROMPT: u
 : "${NUM_DEMOS:=18}" "${NUM_TASKS:=12}" "${NUM_EVAL:=8}" "${SAMPLES:=2}" "${TEMPERATURE:=0.7}" "${MAX_STEPS=12}"
 : "${BC_EPOCHS:=8}" "${CRITIC_EPOCHS:=1}" "${BPPO_EPOCHS:=1}" "${BPPO_LR:=1e-4}" "${NUM_ENVS:=8}" "${GRAD_ACCUM:=4}"
 : "${BC_ACCUM:=2}" "${CRITIC_ACCUM:=1}" "${CRITIC_TAU:=0.1}" "${MAX_NEW_TOKENS:=48}"
-: "${VARIANT:=qevolve}" "${PROCESS_REWARD:=gae}" "${KEEP_SELF:=0}" "${CANDIDATES:=5}" "${SEED:=1}" "${EVAL:=every}"
+: "${VARIANT:=qevolve}" "${PROCESS_REWARD:=gae}" "${GAE_LAMBDA:=0.95}" "${KEEP_SELF:=0}" "${CANDIDATES:=5}" "${SEED:=1}"
+: "${EVAL:=every}"
+# Task lists (data/tasks/: one family/variation a line) in place of ETO's splits, each empty by default: DEMO_TASKS
+# the expert's tasks (its first NUM_DEMOS); TRAIN_TASKS the rollout pool, of which iteration k plays the k-th draw
+# of NUM_TASKS fresh tasks (families in equal shares, the order seeded by SEED); EVAL_TASKS "NAME=FILE ..." the
+# evaluation sets in place of seen and unseen, each into RUN/<iter>/eval/NAME.jsonl. The study's (docs/results.md):
+#   DEMO_TASKS=data/tasks/lifespan-demos.txt TRAIN_TASKS=data/tasks/lifespan-pool.txt \
+#   EVAL_TASKS=dev=data/tasks/lifespan-dev.txt NUM_DEMOS=30 NUM_TASKS=36 NUM_EVAL=0 bash evolve.sh
+: "${DEMO_TASKS=}" "${TRAIN_TASKS=}" "${EVAL_TASKS=}"
 case "$EVAL" in every|last) ;; *) echo "EVAL=$EVAL: use every (BC and each iteration) or last (BC and the last)" >&2; exit 2 ;; esac
 bc_extra=() critic_extra=() bppo_extra=()
 bc_start=()  # BC from the base model (the baselines' continued BC takes its checkpoint as it is)
@@ -61,8 +69,8 @@ bc_start=()  # BC from the base model (the baselines' continued BC takes its che
 # What we add to the paper's algorithm for small data on a CPU, each a flag (docs/departures.md);
 # PRESET=7b runs none of them (DEPARTURES=none). exact_fit: the critic's heads re-solved by least squares after training;
 # heldout: 10% of the demonstrations kept out of BC and of the hybrid data kept out of critic training, for
-# their diagnostics; adv_norm: advantages
-# standardised per optimizer batch; grad_clip: gradient norms clipped at 1 in the critic and BPPO; value_clip: V and Q
+# their diagnostics; adv_norm: advantages standardised per optimizer batch; adv_center: advantages less their mean
+# over the whole dataset (BPPO then raises the better half of the data's actions, lowers the worse); grad_clip: gradient norms clipped at 1 in the critic and BPPO; value_clip: V and Q
 # kept within the data's returns where the critic bootstraps from them and where the process rewards read them.
 : "${DEPARTURES=exact_fit heldout grad_clip value_clip}"
 for departure in $DEPARTURES; do
@@ -71,9 +79,10 @@ for departure in $DEPARTURES; do
     exact_fit) critic_extra+=(--refit-rounds 20) ;;
     heldout) bc_extra+=(--eval-frac 0.1) critic_extra+=(--heldout-frac 0.1) ;;
     adv_norm) bppo_extra+=(--normalize-adv) ;;
+    adv_center) bppo_extra+=(--center-adv) ;;
     grad_clip) critic_extra+=(--max-grad-norm 1.0) bppo_extra+=(--max-grad-norm 1.0) ;;
     value_clip) critic_extra+=(--clip-values) ;;
-    *) echo "DEPARTURES: $departure is none of exact_fit heldout adv_norm grad_clip value_clip (or none)" >&2; exit 2 ;;
+    *) echo "DEPARTURES: $departure is none of exact_fit heldout adv_norm adv_center grad_clip value_clip (or none)" >&2; exit 2 ;;
   esac
 done
 
@@ -89,12 +98,12 @@ case "$VARIANT" in
   awr) bppo_extra+=(--objective awr) ;;
   *) echo "VARIANT=$VARIANT: use qevolve, sft, rft, no_pi, no_rr, no_wiql, no_gae or awr" >&2; exit 2 ;;
 esac
-critic_flags=(--process-reward "$PROCESS_REWARD" --epochs "$CRITIC_EPOCHS" --grad-accum "$CRITIC_ACCUM" --tau "$CRITIC_TAU"
+critic_flags=(--process-reward "$PROCESS_REWARD" --gae-lambda "$GAE_LAMBDA" --epochs "$CRITIC_EPOCHS" --grad-accum "$CRITIC_ACCUM" --tau "$CRITIC_TAU"
               "${critic_extra[@]}")
 bppo_flags=(--epochs "$BPPO_EPOCHS" --lr "$BPPO_LR" --grad-accum "$GRAD_ACCUM" "${bppo_extra[@]}")
 settings=$(for v in ENV MODEL ITERS TASKS NUM_DEMOS NUM_TASKS NUM_EVAL SAMPLES TEMPERATURE MAX_STEPS BC_EPOCHS \
                     CRITIC_EPOCHS BPPO_EPOCHS BPPO_LR NUM_ENVS GRAD_ACCUM BC_ACCUM CRITIC_ACCUM CRITIC_TAU MAX_NEW_TOKENS VARIANT PROCESS_REWARD \
-                    KEEP_SELF PROMPT DEPARTURES CANDIDATES BF16 FULL_FINETUNE SEED EVAL; do
+                    GAE_LAMBDA KEEP_SELF PROMPT DEMO_TASKS TRAIN_TASKS EVAL_TASKS DEPARTURES CANDIDATES BF16 FULL_FINETUNE SEED EVAL; do
   printf '%-15s %s\n' "$v" "${!v}"; done)
 printf 'RUN            %s\n%s\n' "$RUN" "$settings"
 if [ "${DRY_RUN:-0}" = 1 ]; then
@@ -114,6 +123,10 @@ select=(--env "$ENV" --prompt "$PROMPT")
 [ "$NUM_DEMOS" != 0 ] && demo_tasks=(--num-tasks "$NUM_DEMOS") || demo_tasks=()
 [ "$NUM_TASKS" != 0 ] && train_tasks=(--num-tasks "$NUM_TASKS") || train_tasks=()
 [ "$NUM_EVAL" != 0 ] && eval_tasks=(--num-tasks "$NUM_EVAL") || eval_tasks=()
+demo_sets=(--split train) train_sets=(--split train) eval_sets=(--split seen unseen)
+[ -n "$DEMO_TASKS" ] && demo_sets=(--task-file "train=$DEMO_TASKS")
+[ -n "$TRAIN_TASKS" ] && train_sets=(--task-file "train=$TRAIN_TASKS")
+[ -n "$EVAL_TASKS" ] && eval_sets=(--task-file $EVAL_TASKS)
 
 stage() {  # stage DIR COMMAND...: run COMMAND unless DIR/.done says it already finished; the marker holds its time
   local dir=$1 start=$SECONDS; shift
@@ -123,12 +136,12 @@ stage() {  # stage DIR COMMAND...: run COMMAND unless DIR/.done says it already 
   "$@"
   echo "seconds $((SECONDS - start))" > "$dir/.done"
 }
-# evaluate ITER POLICY [CRITIC]: greedy episodes on seen and unseen tasks in one process (the splits share its slots),
-# into RUN/ITER/eval/{seen,unseen}.jsonl; with a critic, its pick of CANDIDATES answers sampled at TEMPERATURE
+# evaluate ITER POLICY [CRITIC]: greedy episodes on seen and unseen tasks (or EVAL_TASKS' sets) in one process (the
+# sets share its slots), into RUN/ITER/eval/{seen,unseen}.jsonl; with a critic, its pick of CANDIDATES answers sampled at TEMPERATURE
 evaluate() {
   local decode=(--temperature 0)
   [ -n "${3:-}" ] && decode=(--temperature "$TEMPERATURE" --rerank-with "$3" --candidates "$CANDIDATES")
-  stage "$RUN/$1/eval" "${run[@]}" collect.py "${select[@]}" --policy "$2" --split seen unseen "${eval_tasks[@]}" \
+  stage "$RUN/$1/eval" "${run[@]}" collect.py "${select[@]}" --policy "$2" "${eval_sets[@]}" "${eval_tasks[@]}" \
     --num-envs "$NUM_ENVS" --max-new-tokens "$MAX_NEW_TOKENS" "${decode[@]}" --iteration "$1" --out "$RUN/$1/eval/{split}.jsonl"
 }
 
@@ -154,7 +167,7 @@ parallel=(--multi_gpu)
 run=(python)
 [ "$NPROC" -gt 1 ] && run=(accelerate launch "${parallel[@]}" --num_processes "$NPROC" --num_machines 1
                            --mixed_precision no --dynamo_backend no)
-stage "$RUN/0/expert" python collect.py "${select[@]}" --policy expert --split train "${demo_tasks[@]}" --out "$expert"
+stage "$RUN/0/expert" python collect.py "${select[@]}" --policy expert "${demo_sets[@]}" "${demo_tasks[@]}" --out "$expert"
 stage "$RUN/0/bc" "${run[@]}" bc.py --data "$expert" --model "$MODEL" --epochs "$BC_EPOCHS" --grad-accum "$BC_ACCUM" --out "$RUN/0/bc" \
   "${bc_start[@]}" "${bc_extra[@]}"
 evaluate 0 "$RUN/0/bc"
@@ -181,7 +194,9 @@ for it in $(seq 1 "$ITERS"); do
     [ "$eval_it" = 1 ] && evaluate "$it" "$policy"
     continue
   fi
-  stage "$d/collect" "${run[@]}" collect.py "${select[@]}" --policy "$policy" --split train "${train_tasks[@]}" "${rerank[@]}" \
+  draw=()  # from a pool: this iteration's own draw of fresh tasks
+  [ -n "$TRAIN_TASKS" ] && [ "$NUM_TASKS" != 0 ] && draw=(--round "$it")
+  stage "$d/collect" "${run[@]}" collect.py "${select[@]}" --policy "$policy" "${train_sets[@]}" "${train_tasks[@]}" "${draw[@]}" "${rerank[@]}" \
     --samples-per-task "$SAMPLES" --num-envs "$NUM_ENVS" --max-new-tokens "$MAX_NEW_TOKENS" --temperature "$TEMPERATURE" --iteration "$it" --out "$d/collect/self.jsonl"
   # paper §1.1: this iteration's self-generated data replaces the last one's; expert data stays
   [ "$KEEP_SELF" = 1 ] && selves+=("$d/collect/self.jsonl") || selves=("$d/collect/self.jsonl")

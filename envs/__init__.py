@@ -65,6 +65,15 @@ class TextEnv:
     def expert_action(self) -> str | None:
         raise NotImplementedError
 
+    def task(self, name: str, variation: int, split: str) -> Task | None:
+        """The task `name/variation` labelled `split`, for a task list (read_task_list); None if there is none.
+        Here: any split's task of that name and variation (ALFWorld's games and WebShop's goals live in splits)."""
+        for s in ("train", "seen", "unseen"):
+            for t in self.tasks(s):
+                if (t.name, t.variation) == (name, variation):
+                    return Task(t.env, t.name, t.variation, split, t.source)
+        return None
+
     def expert_steps(self) -> int | None:
         """Length of the expert's whole path for the episode just reset, when known in advance."""
         return None
@@ -75,6 +84,50 @@ class TextEnv:
 
     def close(self) -> None:
         pass
+
+
+def read_task_list(path: str, env: TextEnv, split: str) -> list[Task]:
+    """A task list: one `family/variation` a line (`lifespan-longest-lived/103`), `#` comments and blank lines
+    skipped, in the file's order; each task labelled `split`. A line that names no task of env: EnvError with
+    the file and line."""
+    from pathlib import Path
+    if not Path(path).is_file():
+        raise EnvError(f"{path}: no such task list")
+    tasks, seen = [], set()
+    for lineno, line in enumerate(Path(path).read_text().splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name, _, variation = line.rpartition("/")
+        task = env.task(name, int(variation), split) if name and variation.isdigit() else None
+        if task is None:
+            raise EnvError(f"{path}:{lineno}: {line!r} is no {env.name} task (expected family/variation, e.g. "
+                           f"{(env.tasks('train') or [Task(env.name, 'family', 0, split)])[0].name}/0)")
+        if (name, task.variation) in seen:
+            raise EnvError(f"{path}:{lineno}: {line!r} is listed twice")
+        seen.add((name, task.variation))
+        tasks.append(task)
+    if not tasks:
+        raise EnvError(f"{path}: lists no task")
+    return tasks
+
+
+def draw_tasks(tasks: list[Task], n: int, round_: int, seed: int) -> list[Task]:
+    """Round `round_` (1, 2, ...) of `n` tasks drawn from a pool, fresh each round: the pool in a seeded order that
+    alternates between its families (each family shuffled, then one of each in turn), cut into consecutive
+    draws of n, so that rounds share no task until the pool is used up (then it starts over) and every draw
+    holds the families in equal shares, as far as n allows."""
+    import random
+    families: dict[str, list[Task]] = {}
+    for t in tasks:
+        families.setdefault(t.name, []).append(t)
+    rng = random.Random(seed)
+    for name in sorted(families):
+        rng.shuffle(families[name])
+    order = [fam[k] for k in range(max(map(len, families.values()))) for _, fam in sorted(families.items())
+             if k < len(fam)]
+    start = (round_ - 1) * n
+    return [order[(start + k) % len(order)] for k in range(min(n, len(order)))]
 
 
 def canonical_split(split: str) -> str:

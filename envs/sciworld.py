@@ -121,6 +121,14 @@ class SciWorldEnv(TextEnv):
         pairs = json.loads((ETO_DIR / SPLIT_FILES[split]).read_text())
         return [Task("sciworld", eto_task_name(n), int(v), split) for n, v in pairs]
 
+    def task(self, name: str, variation: int, split: str) -> Task | None:
+        """Any variation of any ScienceWorld task, in an ETO split or not (its test variations 103-124 are in
+        none); the engine knows the families and how many variations each has."""
+        sw = self._engine()
+        if name not in java_list(sw.server.getTaskNames()) or not 0 <= variation < sw.get_max_variations(name):
+            return None
+        return Task("sciworld", name, variation, split)
+
     def jvm(self):
         """The engine's Java process (tests kill it to check the restart)."""
         return self._engine()._gateway.java_process

@@ -113,7 +113,7 @@ def collect_datasets(run: Path, iters: int) -> list[dict]:
             if train:
                 found.append((f"{it}-train", f"Iter {it}: {what[train.name]}", train))
         name = "BC" if it == 0 else f"Iter {it}"
-        for split in ("seen", "unseen"):
+        for split in results.eval_sets(results.parse_settings((run / "settings.txt").read_text())):
             found.append((f"{it}-{split}", f"{name}: evaluation on {split} tasks", d / "eval" / f"{split}.jsonl"))
     datasets = []
     for key, label, path in found:
@@ -167,7 +167,7 @@ def results_section(run: Path, iters: int, study: Path | None) -> str:
     else:
         parts.append(markdown_table(results.table(rows)))
     if (run / "results.png").exists():
-        parts.append(img(run / "results.png", "BC and each iteration on seen and unseen tasks"))
+        parts.append(img(run / "results.png", "BC and each iteration on each evaluation set"))
     if study:
         parts.append("<h3>The study this run belongs to: mean ± 95 % interval over seeds and tasks</h3>")
         parts.append(markdown_table((study / "results.md").read_text()))

@@ -1,9 +1,10 @@
 """The results of an evolve.sh run as the paper reports them: a table (RUN/results.md) and a plot
-(RUN/results.png, like its Figure 3) of BC, Iter 1, Iter 2 ... on seen and unseen tasks.
+(RUN/results.png, like its Figure 3) of BC, Iter 1, Iter 2 ... on seen and unseen tasks (or on the sets that
+EVAL_TASKS names).
 
     python tools/results.py runs/evolve-sciworld 2
 
-Reads RUN/<iter>/eval/{seen,unseen}.summary.json (collect.py's evaluation summaries) and, for the
+Reads RUN/<iter>/eval/<set>.summary.json (collect.py's evaluation summaries) and, for the
 environment steps each policy cost to train, RUN/<iter>/collect/self.summary.json; writes the same figures as
 TensorBoard curves over the iterations into RUN/loop/.
 """
@@ -25,6 +26,14 @@ def parse_settings(text: str) -> dict[str, str]:
     return dict((line.split(None, 1) + [""])[:2] for line in text.splitlines() if line.strip())
 
 
+def eval_sets(settings: dict[str, str]) -> list[str]:
+    """The names of a run's evaluation sets: EVAL_TASKS' (NAME=FILE, or FILE named by its stem), else seen and
+    unseen (ETO's splits)."""
+    names = [item.split("=", 1)[0] if "=" in item else Path(item).stem
+             for item in settings.get("EVAL_TASKS", "").split()]
+    return names or ["seen", "unseen"]
+
+
 def train_env_steps(run: Path, iters: int) -> list[int]:
     """The environment steps the policy of each iteration 0..iters cost to train: the rollouts of iterations
     1..it (sft plays none)."""
@@ -39,36 +48,38 @@ def train_env_steps(run: Path, iters: int) -> list[int]:
 
 def policy_rows(run: Path, iters: int) -> list[dict]:
     """BC's and each evaluated iteration's evaluation summaries, with the env steps its training cost."""
-    rows = []
+    rows, names = [], eval_sets(parse_settings((run / "settings.txt").read_text()))
     for it, train_steps in enumerate(train_env_steps(run, iters)):
         if it not in (0, iters) and not (run / str(it) / "eval").exists():
             continue  # EVAL=last: BC and the last iteration only
-        seen, unseen = (load(run / str(it) / "eval" / f"{s}.summary.json") for s in ("seen", "unseen"))
+        sets = {s: load(run / str(it) / "eval" / f"{s}.summary.json") for s in names}
         name = "BC" if it == 0 else f"Iter {it}"
-        if seen.get("rerank_with"):  # VARIANT=no_pi: the BC policy, the critic choosing among sampled answers
-            name += f" (BC + critic's pick of {seen['candidates']})"
-        rows.append(dict(iteration=it, name=name, seen=seen, unseen=unseen, train_steps=train_steps))
+        first = sets[names[0]]
+        if first.get("rerank_with"):  # VARIANT=no_pi: the BC policy, the critic choosing among sampled answers
+            name += f" (BC + critic's pick of {first['candidates']})"
+        rows.append(dict(iteration=it, name=name, sets=sets, train_steps=train_steps))
     return rows
 
 
 def table(rows: list[dict]) -> str:
     """The paper's table of the rows (markdown), with a note on what was measured."""
-    lines = ["| policy | seen reward ×100 | seen success % | unseen reward ×100 | unseen success % "
-             "| train env steps used |", "|---|---|---|---|---|---|"]
+    names = list(rows[0]["sets"])
+    lines = ["| policy | " + " | ".join(f"{s} reward ×100 | {s} success %" for s in names) +
+             " | train env steps used |", "|---" * (2 + 2 * len(names)) + "|"]
     for r in rows:
-        lines.append(f"| {r['name']} | {r['seen']['reward_x100']:.1f} | {100 * r['seen']['success_rate']:.1f} "
-                     f"| {r['unseen']['reward_x100']:.1f} | {100 * r['unseen']['success_rate']:.1f} "
-                     f"| {r['train_steps']} |")
-    first = rows[0]["seen"]
-    note = (f"\n{first['env']}: {first['episodes']} seen and {rows[0]['unseen']['episodes']} unseen episodes per "
-            "policy, greedy (a critic's pick: among answers sampled at the rollout temperature); reward is the "
+        cells = " | ".join(f"{r['sets'][s]['reward_x100']:.1f} | {100 * r['sets'][s]['success_rate']:.1f}"
+                           for s in names)
+        lines.append(f"| {r['name']} | {cells} | {r['train_steps']} |")
+    sets = rows[0]["sets"]
+    counts = " and ".join(f"{sets[s]['episodes']} {s}" for s in names)
+    note = (f"\n{sets[names[0]]['env']}: {counts} episodes per policy, greedy (a critic's pick: among answers sampled at the rollout temperature); reward is the "
             "final score averaged over episodes.\n")
     return "\n".join(lines) + "\n" + note
 
 
 def main(run: Path, iters: int) -> None:
     rows = policy_rows(run, iters)
-    first = rows[0]["seen"]
+    first = next(iter(rows[0]["sets"].values()))
     text = table(rows)
     (run / "results.md").write_text(text)
     print(text)
@@ -84,8 +95,8 @@ def main(run: Path, iters: int) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), sharey=True)
     x = range(len(rows))
     for ax, metric, label in ((axes[0], "reward_x100", "mean reward ×100"), (axes[1], "success_rate", "success %")):
-        for split, marker in (("seen", "o-"), ("unseen", "s--")):
-            ys = [r[split][metric] * (100 if metric == "success_rate" else 1) for r in rows]
+        for split, marker in zip(rows[0]["sets"], ("o-", "s--", "^:", "d-.")):
+            ys = [r["sets"][split][metric] * (100 if metric == "success_rate" else 1) for r in rows]
             ax.plot(x, ys, marker, label=split)
         ax.set_xticks(list(x), [r["name"].split(" (")[0] for r in rows])
         ax.set_title(label)
@@ -108,9 +119,9 @@ def write_curves(run: Path, rows: list[dict]) -> None:
     shutil.rmtree(run / "loop", ignore_errors=True)
     writer = SummaryWriter(str(run / "loop"))
     for r in rows:
-        for split in ("seen", "unseen"):
-            writer.add_scalar(f"eval/{split}_reward_x100", r[split]["reward_x100"], r["iteration"])
-            writer.add_scalar(f"eval/{split}_success_pct", 100 * r[split]["success_rate"], r["iteration"])
+        for split, summary in r["sets"].items():
+            writer.add_scalar(f"eval/{split}_reward_x100", summary["reward_x100"], r["iteration"])
+            writer.add_scalar(f"eval/{split}_success_pct", 100 * summary["success_rate"], r["iteration"])
         writer.add_scalar("charts/train_env_steps", r["train_steps"], r["iteration"])
     writer.close()
 
