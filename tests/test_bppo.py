@@ -185,6 +185,20 @@ def test_departure_flags_do_what_they_say(tiny_policy, sciworld_expert, tmp_path
     assert same("loose_clip", "raw", 0) and not same("tight_clip", "raw", 1e-6)
 
 
+def test_centred_advantages_are_centred_over_the_whole_dataset(tiny_policy, sciworld_expert, tmp_path):
+    """--center-adv subtracts the mean over every step of the data (not over each optimizer batch): with one
+    trajectory a batch, it trains as the same data with that mean taken off beforehand does."""
+    raw = _scored(sciworld_expert, tmp_path, "raw.jsonl", lambda a, flat: a)
+    pre = _scored(sciworld_expert, tmp_path, "pre.jsonl", lambda a, flat: (a - flat.mean()).item())
+    base = ["--policy", str(tiny_policy), "--reference", str(tiny_policy), "--lr", "1e-3", "--grad-accum", "1"]
+    losses = {}
+    for name, data, extra in (("center", raw, ["--center-adv"]), ("pre", pre, []), ("raw", raw, [])):
+        run_script("bppo.py", "--data", str(data), "--out", str(tmp_path / name), *base, *extra)
+        losses[name] = [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses["center"]) == 2 and losses["center"] == pytest.approx(losses["pre"], rel=1e-4, abs=1e-6)
+    assert abs(losses["center"][0] - losses["raw"][0]) > 1e-3
+
+
 def test_awr_has_no_kl_term_unless_asked(tiny_policy, sciworld_expert, tmp_path):
     data = _scored(sciworld_expert, tmp_path, "raw.jsonl", lambda a, flat: a)
     awr = ["--objective", "awr"]

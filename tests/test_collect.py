@@ -286,3 +286,39 @@ def test_a_full_finetuning_plays_and_is_refused_a_reranking_critic(tiny_full_pol
     critic.save_critic(model, critic.Heads(base.config.hidden_size), tmp_path / "critic", "tiny")
     proc = run_script(*argv, "--rerank-with", str(tmp_path / "critic"), "--out", str(tmp_path / "r.jsonl"), check=False)
     assert proc.returncode == 2 and "the policy is a full fine-tuning" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_task_lists_name_their_sets_and_a_round_draws_fresh_tasks(tiny_policy, tmp_path):
+    from envs import Task, draw_tasks
+    pool = ["lifespan-longest-lived/0", "lifespan-longest-lived/1", "lifespan-shortest-lived/0",
+            "lifespan-shortest-lived/1", "lifespan-longest-lived/2", "lifespan-shortest-lived/2"]
+    (tmp_path / "pool.txt").write_text("# a pool\n" + "\n".join(pool) + "\n")
+    (tmp_path / "confirm.txt").write_text("lifespan-shortest-lived/110\n")
+    expert = ["collect.py", "--env", "sciworld", "--policy", "expert", "--seed", "3"]
+    for rnd in (1, 2):  # evolve.sh's iterations: each its own draw of 2, the families in equal shares
+        out = tmp_path / f"round{rnd}.jsonl"
+        run_script(*expert, "--task-file", f"train={tmp_path / 'pool.txt'}", "--num-tasks", "2", "--round", str(rnd),
+                   "--out", str(out))
+        want = draw_tasks([Task("sciworld", p.split("/")[0], int(p.split("/")[1]), "train") for p in pool], 2, rnd, 3)
+        got = common.read_jsonl(out)
+        assert [(t["task"], t["variation"]) for t in got] == [(t.name, t.variation) for t in want]
+        assert {t["task"] for t in got} == {"lifespan-longest-lived", "lifespan-shortest-lived"}
+        assert all(t["split"] == "train" for t in got)
+    first, second = ({(t["task"], t["variation"]) for t in common.read_jsonl(tmp_path / f"round{r}.jsonl")}
+                     for r in (1, 2))
+    assert not first & second
+    # a policy's evaluation on two named lists, one file each (a list's name: NAME= or the file's stem)
+    run_script("collect.py", "--env", "sciworld", "--policy", str(tiny_policy), "--temperature", "0", "--max-steps",
+               "2", "--max-new-tokens", "8", "--task-file", f"dev={tmp_path / 'pool.txt'}", str(tmp_path / "confirm.txt"),
+               "--num-tasks", "1", "--out", str(tmp_path / "eval" / "{split}.jsonl"))
+    dev, confirm = (common.read_jsonl(tmp_path / "eval" / f"{n}.jsonl") for n in ("dev", "confirm"))
+    assert [(t["task"], t["variation"], t["split"]) for t in dev] == [("lifespan-longest-lived", 0, "dev")]
+    assert [(t["task"], t["variation"], t["split"]) for t in confirm] == [("lifespan-shortest-lived", 110, "confirm")]
+    # mistakes: one line each, no traceback
+    (tmp_path / "bad.txt").write_text("lifespan-longest-lived/0\nlifespan-longest-lived/999\n")
+    for argv, message in ((["--task-file", str(tmp_path / "bad.txt")], f"{tmp_path / 'bad.txt'}:2:"),
+                          (["--split", "train", "--num-tasks", "2", "--round", "1"], "--round R"),
+                          (["--task-file", str(tmp_path / "pool.txt"), str(tmp_path / "confirm.txt")],
+                           "--out must hold {split}")):
+        proc = run_script(*expert, *argv, "--out", str(tmp_path / "x.jsonl"), check=False)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr

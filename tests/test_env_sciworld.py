@@ -117,3 +117,63 @@ def test_expert_looks_after_every_move():
             "go to hallway"]
     assert with_looks(gold) == ["open door to outside", "go to outside", "look around", "focus on egg parrot",
                                 "teleport to kitchen", "look around", "go to hallway"]
+
+
+# ----------------------------------------------------------------------------- task lists (data/tasks/)
+def tasks_file(name: str) -> Path:
+    return Path(__file__).resolve().parent.parent / "data" / "tasks" / f"lifespan-{name}.txt"
+
+
+def test_the_studys_task_lists_are_what_their_rules_give_and_keep_apart(sciworld):
+    import sys
+    sys.path.insert(0, str(tasks_file("dev").parent.parent.parent / "tools"))
+    import tasksets
+    from envs import read_task_list
+    lists = {n: read_task_list(str(tasks_file(n)), sciworld, n) for n in tasksets.HEADERS}
+    keys = {n: {(t.name, t.variation) for t in ts} for n, ts in lists.items()}
+    # the files are what tools/tasksets.py writes (the demonstrations' choice also reads the expert's path)
+    rebuilt = tasksets.sets(lambda family, variation: 0)
+    for name in ("dev", "pool", "confirm", "eto-unseen"):
+        assert [(t.name, t.variation) for t in lists[name]] == rebuilt[name]
+    assert {n: len(k) for n, k in keys.items()} == {"dev": 50, "pool": 226, "demos": 30, "confirm": 66,
+                                                     "eto-unseen": 30}
+    eto = {s: {(t.name, t.variation) for t in sciworld.tasks(s)} for s in ("train", "seen", "unseen")}
+    assert not keys["dev"] & keys["pool"] and keys["demos"] <= keys["pool"]
+    assert {k for k in eto["seen"] if k[0] in tasksets.FAMILIES} <= keys["dev"]  # ETO's dev tasks, and 20 more
+    assert not keys["confirm"] & (eto["train"] | eto["seen"] | eto["unseen"])  # in no ETO split: untouched
+    assert keys["eto-unseen"] == {k for k in eto["unseen"] if k[0] in tasksets.FAMILIES}
+    assert not (keys["dev"] | keys["pool"]) & (keys["confirm"] | keys["eto-unseen"])
+    for name in ("dev", "pool", "demos", "confirm"):  # the families in (near) equal shares
+        per_family = [sum(t.name == f for t in lists[name]) for f in tasksets.FAMILIES]
+        assert max(per_family) - min(per_family) <= 2, (name, per_family)
+    assert all(t.split == "confirm" for t in lists["confirm"])
+
+
+def test_a_bad_task_list_names_its_file_and_line(sciworld, tmp_path):
+    from envs import EnvError, read_task_list
+    path = tmp_path / "tasks.txt"
+    for text, line, what in (("# ok\nlifespan-longest-lived/3\nlifespan-longest-lived/125\n", 3, "is no sciworld task"),
+                             ("boil/1\nno-such-family/1\n", 2, "is no sciworld task"),
+                             ("boil/1\nboil\n", 2, "is no sciworld task"),
+                             ("boil/1\nboil/1 # again\n", 2, "listed twice"),
+                             ("# nothing\n\n", None, "lists no task")):
+        path.write_text(text)
+        with pytest.raises(EnvError) as e:
+            read_task_list(str(path), sciworld, "x")
+        assert (f"{path}:{line}:" if line else f"{path}:") in str(e.value) and what in str(e.value)
+    with pytest.raises(EnvError, match="no such task list"):
+        read_task_list(str(tmp_path / "missing.txt"), sciworld, "x")
+
+
+def test_draws_from_a_pool_are_fresh_balanced_and_seeded():
+    from envs import draw_tasks
+    pool = [Task("sciworld", f, v, "train") for f in ("a", "b", "c") for v in range(10 if f != "c" else 7)]
+    rounds = [draw_tasks(pool, 6, r, seed=5) for r in (1, 2, 3, 4)]
+    assert all(len(r) == 6 for r in rounds)
+    assert all(sorted(t.name for t in r) == ["a", "a", "b", "b", "c", "c"] for r in rounds[:3])
+    firsts = [t for r in rounds[:4] for t in r][:len(pool)]
+    assert len(set(firsts)) == len(firsts) == 24  # no task twice while the pool lasts (27 tasks)
+    assert draw_tasks(pool, 6, 2, seed=5) == rounds[1] and draw_tasks(pool, 6, 1, seed=6) != rounds[0]
+    # past the pool's end the order starts over: round 5 holds the last 3 tasks and the first 3
+    order = [t for r in (draw_tasks(pool, 27, 1, seed=5),) for t in r]
+    assert draw_tasks(pool, 6, 5, seed=5) == order[24:] + order[:3]

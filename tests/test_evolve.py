@@ -87,6 +87,24 @@ def test_departures_are_explicit_flags_on_the_cpu_and_absent_at_paper_scale(tmp_
     assert proc.returncode == 2 and "DEPARTURES: clip is none of" in proc.stderr
 
 
+def test_task_lists_reach_the_stages_and_each_iteration_draws_its_own(tmp_path):
+    """DEMO_TASKS, TRAIN_TASKS and EVAL_TASKS replace ETO's splits: the expert plays the demonstrations' list, each
+    iteration's rollouts its own round of the pool, each evaluation the named sets; GAE_LAMBDA and adv_center
+    reach the critic and BPPO."""
+    lists = {"DEMO_TASKS": "data/tasks/lifespan-demos.txt", "TRAIN_TASKS": "data/tasks/lifespan-pool.txt",
+             "EVAL_TASKS": "dev=data/tasks/lifespan-dev.txt confirm=data/tasks/lifespan-confirm.txt"}
+    out = dry_run(RUN=str(tmp_path / "r"), GAE_LAMBDA="0", DEPARTURES="value_clip adv_center", **lists)
+    stage = {line.split(":")[0].split("/r/")[-1]: line for line in out.splitlines() if line.startswith("[dry]")}
+    assert "--task-file train=data/tasks/lifespan-demos.txt --num-tasks 18" in stage["0/expert"]
+    for it in (1, 2):
+        assert f"--task-file train=data/tasks/lifespan-pool.txt --num-tasks 12 --round {it} " in stage[f"{it}/collect"]
+        assert "--task-file dev=data/tasks/lifespan-dev.txt confirm=data/tasks/lifespan-confirm.txt" in stage[f"{it}/eval"]
+        assert "--gae-lambda 0" in stage[f"{it}/critic"] and "--center-adv" in stage[f"{it}/bppo"]
+    assert "EVAL_TASKS      dev=data/tasks/lifespan-dev.txt confirm=data/tasks/lifespan-confirm.txt" in out
+    plain = dry_run(RUN=str(tmp_path / "p"))  # without lists: ETO's splits, as before
+    assert "--task-file" not in plain and "--round" not in plain and "--split seen unseen" in plain
+
+
 def test_variants_seed_and_last_only_evaluation(tmp_path):
     """The baselines continue BC for BPPO's number of steps at its learning rate and batch (sft on the expert data,
     rft also on the successful rollouts); SEED reaches every stage; EVAL=last evaluates BC and the last policy."""

@@ -108,3 +108,26 @@ def test_the_scale_benchmark_builds_and_opens_a_large_page(smoke_run):
     row = re.search(r"^\| 60 × 5 \| ([0-9.]+) MB \| ([0-9.]+) MB \| ([0-9.]+)x \|", out, re.M)
     assert row and 0 < float(row.group(3)) < 1, out  # the page is smaller than the JSONL it shows
     assert re.search(r"after the filter: 1–20 of [0-9]+ · page 1 of [0-9]+; console errors: 0$", out, re.M), out
+
+
+def test_a_run_evaluated_on_named_task_lists_reports_them(smoke_run, tmp_path):
+    """EVAL_TASKS' sets (here the smoke run's seen and unseen files renamed dev and confirm) take the place of
+    seen and unseen in the results table, the TensorBoard curves and the page's datasets."""
+    run, _ = smoke_run
+    named = tmp_path / "named"
+    shutil.copytree(run, named, ignore=shutil.ignore_patterns("report.html", "results.*", "loop"))
+    settings = (named / "settings.txt").read_text().replace("EVAL_TASKS      ", "EVAL_TASKS      dev=a.txt confirm=b.txt")
+    (named / "settings.txt").write_text(settings)
+    for it in (0, 1, 2):
+        for old, new in (("seen", "dev"), ("unseen", "confirm")):
+            for f in (named / str(it) / "eval").glob(f"{old}.*"):
+                f.rename(f.with_name(f.name.replace(old, new, 1)))
+    run_script("tools/results.py", str(named), "2")
+    table = (named / "results.md").read_text()
+    assert table.startswith("| policy | dev reward ×100 | dev success % | confirm reward ×100 | confirm success % |")
+    assert "1 dev and 1 confirm episodes per policy" in table
+    from conftest import tensorboard_scalars
+    assert {"eval/dev_reward_x100", "eval/confirm_success_pct"} <= set(tensorboard_scalars(named / "loop"))
+    run_script("tools/report.py", str(named))
+    page = (named / "report.html").read_text()
+    assert 'data-0-dev"' in page and 'data-2-confirm"' in page and "data-0-seen" not in page

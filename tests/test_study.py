@@ -128,3 +128,73 @@ def test_study_runs_seeds_and_variants_shares_bc_and_resumes_from_its_records(tm
 def test_report_only_with_no_records_is_a_clear_error(tmp_path):
     proc = study_cmd(tmp_path, "--report-only")
     assert proc.returncode != 0 and "no records in" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_seed_level_t_interval_holm_and_bootstrap_p_on_hand_worked_cases():
+    # three seeds whose mean differences are 1, 2, 3: mean 2, sd 1, se 1/√3; t(0.975, 2 df) = 4.303
+    mean, low, high, p = study.seed_t([np.array([1.0, 1.0]), np.array([2.0]), np.array([4.0, 2.0])])
+    half = 4.3027 / np.sqrt(3)
+    assert mean == 2.0 and abs(low - (2 - half)) < 1e-3 and abs(high - (2 + half)) < 1e-3
+    assert abs(p - 0.0742) < 1e-3  # two-sided, t = 2√3 on 2 df
+    # Holm: 0.01 × 3, then 0.03 × 2, then 0.04 × 1 raised to the 0.06 before it
+    assert np.allclose(study.holm([0.01, 0.04, 0.03]), [0.03, 0.06, 0.06])
+    assert study.holm([0.5, 0.9]) == [1.0, 1.0]
+    rng = np.random.default_rng(0)
+    assert study.bootstrap_p([np.array([2.0, 3.0]), np.array([1.0])], 1000, rng) == 0.0  # never at or below 0
+    # one seed, episodes −1 and +1: a resampled mean is ≤ 0 with chance 3/4 and ≥ 0 with chance 3/4
+    assert study.bootstrap_p([np.array([-1.0, 1.0])], 1000, rng) == 1.0
+
+
+def table(text: str, heading: str) -> dict[str, str]:
+    """The rows of the markdown table whose heading line starts with `heading`, by their first cell."""
+    lines = text.splitlines()
+    start = next(k for k, line in enumerate(lines) if line.startswith(heading)) + 2
+    rows = {}
+    for line in lines[start:]:
+        if not line.startswith("| "):
+            break
+        rows[line.split(" | ")[0].removeprefix("| ")] = line
+    return rows
+
+
+def fake_record(arm: str, seed: int, rewards: dict[int, list[float]], diagnostics: dict | None = None) -> dict:
+    """A record of one dev set whose policy at each iteration scored rewards (one per task)."""
+    return {"arm": arm, "seed": seed, "sets": ["dev"], "shared_stages": [], "stage_seconds": {},
+            "policies": [{"iteration": it, "train_env_steps": 10 * it, "diagnostics": diagnostics or {},
+                          "dev": {f"t/{k}": {"reward": r, "success": float(r == 100), "steps": 4, "invalid": k % 2}
+                                  for k, r in enumerate(rs)}} for it, rs in rewards.items()]}
+
+
+def test_a_plans_report_pairs_each_arm_with_its_reference_and_tests_its_claims(tmp_path):
+    plan = study.Plan(seeds=[1, 2], arms={"rft": {"VARIANT": "rft"}, "lam0": {"GAE_LAMBDA": "0"}},
+                      labels={"lam0": "Q-Evolve, λ 0"}, versus="rft", primary="dev",
+                      comparisons=[("lam0", "bc"), ("lam0", "rft")])
+    diag = {"critic": {"return_corr_train": 0.5, "train_auc_v0": 0.8}, "advantage": {"mean": -0.2, "negative": 0.7},
+            "bppo": {"max_approx_kl": 0.02, "mean_clip_frac": 0.01, "steps": 3, "last_kl_ref": 0.0}}
+    records = {}
+    for seed in (1, 2):  # BC 0 on both tasks; RFT +50 on the first; λ 0 +100 on both
+        records["rft", seed] = fake_record("rft", seed, {0: [0, 0], 1: [50, 0]})
+        records["lam0", seed] = fake_record("lam0", seed, {0: [0, 0], 1: [100, 100]}, diag)
+    text = study.report(records, plan, tmp_path, resamples=200, smoke=True)
+    main, invalid, versus, diagnostics, claims = (table(text, heading) for heading in (
+        "| policy | seeds |", "| policy | dev invalid", "| difference |", "| arm |", "| claim |"))
+    rft = study.LABELS["rft"]  # an arm named for a variant, with no label of the plan's
+    assert "| 2 | 100.0 [100.0, 100.0] |" in main["Q-Evolve, λ 0, iter 1"]
+    assert "+100.0 [+100.0, +100.0]" in main["Q-Evolve, λ 0, iter 1"] and "+25.0 [" in main[rft]  # Δ BC
+    assert invalid["BC"] == "| BC | 12.5 | 4.0 |"  # 1 of each seed's 8 steps (4 a task) rejected
+    assert "+75.0 [" in versus[f"Q-Evolve, λ 0, iter 1 minus {rft}"]  # each arm minus the plan's reference
+    assert "| 2 | +100.0 |" in claims["Q-Evolve, λ 0 minus BC"] and "| 2 | +75.0 |" in claims[f"Q-Evolve, λ 0 minus {rft}"]
+    assert diagnostics["Q-Evolve, λ 0"] == "| Q-Evolve, λ 0 | 0.5 | 0.8 | -0.2 | 0.7 | 0.02 | 0.01 |"
+    assert (tmp_path / "results.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_plan_with_a_mistake_is_refused_in_one_line(tmp_path):
+    for plan, message in (('{"seeds": [1], "arms": {"a": {}}, "comparisons": [["a", "b"]]}', "names an arm"),
+                          ('{"seeds": [1], "arms": {"a": {}}, "versus": "z"}', "is none of its arms"),
+                          ('{"seeds": [1], "arms": {"a": {}}, "colour": "red"}', "colour"),
+                          ('{"seeds": [1], "arms": ', "Expecting value")):
+        (tmp_path / "plan.json").write_text(plan)
+        proc = subprocess.run([sys.executable, "tools/study.py", "--plan", str(tmp_path / "plan.json"),
+                               "--out", str(tmp_path / "out"), "--report-only"], cwd=ROOT, capture_output=True,
+                              text=True)
+        assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
