@@ -198,3 +198,14 @@ def test_a_plan_with_a_mistake_is_refused_in_one_line(tmp_path):
                                "--out", str(tmp_path / "out"), "--report-only"], cwd=ROOT, capture_output=True,
                               text=True)
         assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_the_detectable_difference_follows_the_power_formula():
+    # 4 seeds of 50 tasks with differences ±20 (SD 20.2 within a seed) and equal seed means: no seed spread
+    per_seed = [np.tile([20.0, -20.0], 25) for _ in range(4)]
+    sd = per_seed[0].std(ddof=1)
+    expected = (1.959964 + 0.841621) * sd / np.sqrt(200)
+    assert abs(study.detectable(per_seed) - expected) < 1e-3
+    # seeds that differ add their own variance; a stricter level needs a larger difference
+    spread = [d + shift for d, shift in zip(per_seed, (-10.0, 0.0, 0.0, 10.0))]
+    assert study.detectable(spread) > study.detectable(per_seed) < study.detectable(per_seed, alpha=0.025)
