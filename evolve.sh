@@ -23,15 +23,21 @@ fi
 # The critic stays a LoRA adapter on the base model.
 case "${FULL_FINETUNE:=0}" in 0) ;; 1) : "${BPPO_LR:=2e-6}" ;;
   *) echo "FULL_FINETUNE=$FULL_FINETUNE: 0 (LoRA) or 1 (every weight)" >&2; exit 2 ;; esac
-if [ "${PRESET:-}" = 7b ]; then  # one 24 GB GPU, paper scale: every task of the env, its own step cap
-  : "${MODEL:=meta-llama/Llama-2-7b-chat-hf}" "${TASKS=}" "${NUM_DEMOS:=0}" "${NUM_TASKS:=0}" "${NUM_EVAL:=0}" "${MAX_STEPS=}"
+: "${ENV:=sciworld}"
+# PRESET=7b: one 24 GB GPU, paper scale: every task of the env, 3 rollouts of each (the paper's stated protocol:
+# ~100K env steps an ALFWorld iteration, where its Table 5 reports 13K; NUM_TASKS=N plays fewer, docs/scale.md),
+# the paper's step caps (ALFWorld 30, ScienceWorld 24, WebShop 10; ETO's come with PROMPT=eto alone), the
+# environment's real data or a clear refusal (STANDIN=1 accepts our generated games or mini shop).
+if [ "${PRESET:-}" = 7b ]; then
+  case "$ENV" in alfworld) cap=30 ;; webshop) cap=10 ;; *) cap=24 ;; esac
+  : "${MODEL:=meta-llama/Llama-2-7b-chat-hf}" "${TASKS=}" "${NUM_DEMOS:=0}" "${NUM_TASKS:=0}" "${NUM_EVAL:=0}" "${MAX_STEPS=$cap}"
   : "${BC_EPOCHS:=3}" "${CRITIC_EPOCHS:=2}" "${BPPO_LR:=1e-5}" "${GRAD_ACCUM:=16}" "${BC_ACCUM:=16}" "${CRITIC_ACCUM:=16}"
   : "${MAX_NEW_TOKENS:=128}" "${SAMPLES:=3}" "${CRITIC_TAU:=0.005}" "${PROMPT:=eto}" "${DEPARTURES:=none}"
 elif [ -n "${PRESET:-}" ]; then
   echo "PRESET=$PRESET: the only preset is 7b" >&2; exit 2
 fi
 # the paper's iterations: 3 on WebShop, 2 on ScienceWorld and ALFWorld
-[ "${ENV:=sciworld}" = webshop ] && : "${ITERS:=3}"
+[ "$ENV" = webshop ] && : "${ITERS:=3}"
 : "${MODEL:=smollm2-135m}" "${ITERS:=2}" "${RUN:=runs/evolve-$ENV}"
 # PROMPT=eto: ETO's prompt (data/eto/) in expert data and rollouts, and ETO's step caps unless MAX_STEPS is set.
 : "${PROMPT:=short}"
@@ -57,6 +63,19 @@ case "$PROMPT" in short) ;; eto) : "${MAX_STEPS=}" ;; *) echo "PROMPT=$PROMPT: u
 #   DEMO_TASKS=data/tasks/lifespan-demos.txt TRAIN_TASKS=data/tasks/lifespan-pool.txt \
 #   EVAL_TASKS=dev=data/tasks/lifespan-dev.txt NUM_DEMOS=30 NUM_TASKS=36 NUM_EVAL=0 bash evolve.sh
 : "${DEMO_TASKS=}" "${TRAIN_TASKS=}" "${EVAL_TASKS=}"
+# EXPERT="FILE ...": released expert trajectories (ETO's *_sft.json, AgentGym's, AgentTuning's: tools/import_expert.py)
+# as the expert data, in place of the environment's planner, whose thoughts are templates ("I should X next.");
+# the paper trains on ETO's GPT-4 ReAct trajectories. ENV_DATA: what the environment runs on here (python -m envs).
+: "${EXPERT=}"
+ENV_DATA=$(python -m envs data "$ENV") || exit 2
+if [ "${PRESET:-}" = 7b ] && [[ "$ENV_DATA" =~ ^(generated|mini)$ ]] && [ "${STANDIN:-0}" != 1 ]; then
+  echo "PRESET=7b ENV=$ENV: $(python -m envs data "$ENV" --why); STANDIN=1 runs on our $ENV_DATA stand-in instead" >&2
+  exit 2
+fi
+if [ "${PRESET:-}" = 7b ] && [ -z "$EXPERT" ]; then
+  echo "note: expert data from the $ENV planner with template thoughts, a departure (the paper: ETO's GPT-4 ReAct"\
+       "trajectories); EXPERT=FILE takes released ones (docs/real-data.md)" >&2
+fi
 case "$EVAL" in every|last) ;; *) echo "EVAL=$EVAL: use every (BC and each iteration) or last (BC and the last)" >&2; exit 2 ;; esac
 bc_extra=() critic_extra=() bppo_extra=()
 bc_start=()  # BC from the base model (the baselines' continued BC takes its checkpoint as it is)
@@ -103,7 +122,7 @@ critic_flags=(--process-reward "$PROCESS_REWARD" --gae-lambda "$GAE_LAMBDA" --ep
 bppo_flags=(--epochs "$BPPO_EPOCHS" --lr "$BPPO_LR" --grad-accum "$GRAD_ACCUM" "${bppo_extra[@]}")
 settings=$(for v in ENV MODEL ITERS TASKS NUM_DEMOS NUM_TASKS NUM_EVAL SAMPLES TEMPERATURE MAX_STEPS BC_EPOCHS \
                     CRITIC_EPOCHS BPPO_EPOCHS BPPO_LR NUM_ENVS GRAD_ACCUM BC_ACCUM CRITIC_ACCUM CRITIC_TAU MAX_NEW_TOKENS VARIANT PROCESS_REWARD \
-                    GAE_LAMBDA KEEP_SELF PROMPT DEMO_TASKS TRAIN_TASKS EVAL_TASKS DEPARTURES CANDIDATES BF16 FULL_FINETUNE SEED EVAL; do
+                    GAE_LAMBDA KEEP_SELF PROMPT DEMO_TASKS TRAIN_TASKS EVAL_TASKS EXPERT ENV_DATA DEPARTURES CANDIDATES BF16 FULL_FINETUNE SEED EVAL; do
   printf '%-15s %s\n' "$v" "${!v}"; done)
 printf 'RUN            %s\n%s\n' "$RUN" "$settings"
 if [ "${DRY_RUN:-0}" = 1 ]; then
@@ -167,7 +186,11 @@ parallel=(--multi_gpu)
 run=(python)
 [ "$NPROC" -gt 1 ] && run=(accelerate launch "${parallel[@]}" --num_processes "$NPROC" --num_machines 1
                            --mixed_precision no --dynamo_backend no)
-stage "$RUN/0/expert" python collect.py "${select[@]}" --policy expert "${demo_sets[@]}" "${demo_tasks[@]}" --out "$expert"
+if [ -n "$EXPERT" ]; then
+  stage "$RUN/0/expert" python tools/import_expert.py $EXPERT --env "$ENV" "${demo_tasks[@]}" --out "$expert"
+else
+  stage "$RUN/0/expert" python collect.py "${select[@]}" --policy expert "${demo_sets[@]}" "${demo_tasks[@]}" --out "$expert"
+fi
 stage "$RUN/0/bc" "${run[@]}" bc.py --data "$expert" --model "$MODEL" --epochs "$BC_EPOCHS" --grad-accum "$BC_ACCUM" --out "$RUN/0/bc" \
   "${bc_start[@]}" "${bc_extra[@]}"
 evaluate 0 "$RUN/0/bc"

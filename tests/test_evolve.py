@@ -77,7 +77,7 @@ def test_departures_are_explicit_flags_on_the_cpu_and_absent_at_paper_scale(tmp_
     assert "--eval-frac 0.1" in next(line for line in cpu.splitlines() if "/0/bc" in line)
     assert not (tmp_path / "cpu").exists()  # a dry run writes nothing
     for paper in (dry_run(RUN=str(tmp_path / "p"), DEPARTURES="none"),
-                  dry_run(RUN=str(tmp_path / "7b"), PRESET="7b", ENV="webshop")):
+                  dry_run(RUN=str(tmp_path / "7b"), PRESET="7b", ENV="webshop", STANDIN="1")):
         stages = [line for line in paper.splitlines() if line.startswith("[dry]")]
         assert stages and not any(flag in line for line in stages for flag in DEPARTURE_FLAGS)
     assert "DEPARTURES      none" in paper and "ITERS           3" in paper  # the paper's 3 WebShop iterations
@@ -103,6 +103,54 @@ def test_task_lists_reach_the_stages_and_each_iteration_draws_its_own(tmp_path):
     assert "EVAL_TASKS      dev=data/tasks/lifespan-dev.txt confirm=data/tasks/lifespan-confirm.txt" in out
     plain = dry_run(RUN=str(tmp_path / "p"))  # without lists: ETO's splits, as before
     assert "--task-file" not in plain and "--round" not in plain and "--split seen unseen" in plain
+
+
+def test_paper_scale_runs_on_the_real_environment_or_says_what_is_missing(tmp_path):
+    """PRESET=7b: the paper's step caps; without ALFWorld's official games (or a working WebShop) one line saying
+    what is missing and how to get it, unless STANDIN=1 accepts our stand-in, which the settings then name;
+    the planner's template thoughts are named a departure unless EXPERT gives released trajectories."""
+    env = {k: v for k, v in os.environ.items() if k != "ALFWORLD_DATA"}
+    for name, extra in (("alfworld", {}), ("webshop", {})):
+        proc = subprocess.run(["bash", "evolve.sh"], cwd=ROOT, env={**env, "DRY_RUN": "1", "PRESET": "7b",
+                                                                    "ENV": name, **extra},
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1
+        assert f"PRESET=7b ENV={name}: " in proc.stderr and "STANDIN=1" in proc.stderr
+    assert "ALFWORLD_DATA" in subprocess.run(["python", "-m", "envs", "data", "alfworld", "--why"], cwd=ROOT, env=env,
+                                             capture_output=True, text=True).stdout
+    standin = subprocess.run(["bash", "evolve.sh"], cwd=ROOT, env={**env, "DRY_RUN": "1", "PRESET": "7b",
+                                                                   "ENV": "alfworld", "STANDIN": "1"},
+                             capture_output=True, text=True, timeout=60)
+    assert standin.returncode == 0 and "ENV_DATA        generated" in standin.stdout
+    assert "MAX_STEPS       30" in standin.stdout and "--max-steps 30" in standin.stdout
+    assert "template thoughts, a departure" in standin.stderr
+    official = dry_run(PRESET="7b", ENV="alfworld", ALFWORLD_DATA=str(ROOT / "tests" / "data" / "alfworld"))
+    assert "ENV_DATA        official" in official
+    for name, cap in (("sciworld", 24), ("webshop", 10)):
+        assert f"MAX_STEPS       {cap}" in dry_run(PRESET="7b", ENV=name, STANDIN="1")
+    assert "--max-steps" not in dry_run(PROMPT="eto")  # ETO's caps come with its prompt alone
+    released = str(ROOT / "tests" / "data" / "expert_files" / "eto_style_sciworld_messages.json")
+    proc = subprocess.run(["bash", "evolve.sh"], cwd=ROOT, env={**os.environ, "DRY_RUN": "1", "PRESET": "7b",
+                                                                "EXPERT": released}, capture_output=True, text=True)
+    assert "template thoughts" not in proc.stderr and f"EXPERT          {released}" in proc.stdout
+    assert f"tools/import_expert.py {released} --env sciworld --out" in proc.stdout
+
+
+def test_the_smoke_loop_from_released_expert_trajectories(tmp_path):
+    """EXPERT=FILE: BC and the hybrid data take a released file's trajectories (ETO-style ScienceWorld records)."""
+    run = tmp_path / "run"
+    released = ROOT / "tests" / "data" / "expert_files" / "eto_style_sciworld_messages.json"
+    proc = subprocess.run(["bash", "evolve.sh"], cwd=ROOT, env={**os.environ, "SMOKE": "1", "RUN": str(run),
+                                                                "EXPERT": str(released), "PROMPT": "eto",
+                                                                "ITERS": "1", "MAX_STEPS": "3"},
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    expert = common.read_jsonl(run / "0" / "expert" / "train.jsonl")
+    assert [t["id"] for t in expert] == [r["id"] for r in json.loads(released.read_text())][:2]
+    hybrid = common.read_jsonl(run / "1" / "relabel" / "hybrid.jsonl")
+    assert {t["id"] for t in hybrid if t["source"] == "expert"} == {t["id"] for t in expert}
+    assert json.loads((run / "0" / "bc" / "args.json").read_text())["data"] == [str(run / "0/expert/train.jsonl")]
+    assert (run / "1" / "bppo" / ".done").exists() and "| Iter 1 |" in (run / "results.md").read_text()
 
 
 def test_variants_seed_and_last_only_evaluation(tmp_path):

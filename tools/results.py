@@ -26,6 +26,11 @@ def parse_settings(text: str) -> dict[str, str]:
     return dict((line.split(None, 1) + [""])[:2] for line in text.splitlines() if line.strip())
 
 
+# ENV_DATA (python -m envs data ENV) as the results say it: the stand-ins are named as such
+DATA_NAMES = {"official": "ALFWorld's official games", "generated": "our generated games, not ALFWorld's",
+              "real": "the real WebShop", "mini": "our mini shop, not WebShop", "scienceworld": "ScienceWorld"}
+
+
 def eval_sets(settings: dict[str, str]) -> list[str]:
     """The names of a run's evaluation sets: EVAL_TASKS' (NAME=FILE, or FILE named by its stem), else seen and
     unseen (ETO's splits)."""
@@ -48,7 +53,8 @@ def train_env_steps(run: Path, iters: int) -> list[int]:
 
 def policy_rows(run: Path, iters: int) -> list[dict]:
     """BC's and each evaluated iteration's evaluation summaries, with the env steps its training cost."""
-    rows, names = [], eval_sets(parse_settings((run / "settings.txt").read_text()))
+    settings = parse_settings((run / "settings.txt").read_text())
+    rows, names = [], eval_sets(settings)
     for it, train_steps in enumerate(train_env_steps(run, iters)):
         if it not in (0, iters) and not (run / str(it) / "eval").exists():
             continue  # EVAL=last: BC and the last iteration only
@@ -57,7 +63,8 @@ def policy_rows(run: Path, iters: int) -> list[dict]:
         first = sets[names[0]]
         if first.get("rerank_with"):  # VARIANT=no_pi: the BC policy, the critic choosing among sampled answers
             name += f" (BC + critic's pick of {first['candidates']})"
-        rows.append(dict(iteration=it, name=name, sets=sets, train_steps=train_steps))
+        rows.append(dict(iteration=it, name=name, sets=sets, train_steps=train_steps,
+                         data=DATA_NAMES.get(settings.get("ENV_DATA", ""), ""), expert=settings.get("EXPERT", "")))
     return rows
 
 
@@ -72,7 +79,9 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['name']} | {cells} | {r['train_steps']} |")
     sets = rows[0]["sets"]
     counts = " and ".join(f"{sets[s]['episodes']} {s}" for s in names)
-    note = (f"\n{sets[names[0]]['env']}: {counts} episodes per policy, greedy (a critic's pick: among answers sampled at the rollout temperature); reward is the "
+    data = f" ({rows[0]['data']})" if rows[0].get("data") else ""
+    expert = f"; expert data {rows[0]['expert']}" if rows[0].get("expert") else ""
+    note = (f"\n{sets[names[0]]['env']}{data}{expert}: {counts} episodes per policy, greedy (a critic's pick: among answers sampled at the rollout temperature); reward is the "
             "final score averaged over episodes.\n")
     return "\n".join(lines) + "\n" + note
 
