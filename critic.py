@@ -337,7 +337,7 @@ def load_critic(checkpoint: str, load_in_4bit: bool | None = None):
     """(model, heads, tokenizer) from a critic checkpoint written by save_critic."""
     from peft import PeftModel
     meta = models.read_meta(checkpoint, "critic")
-    base, tok = models.load_base(meta["base_model"], load_in_4bit)
+    base, tok = models.load_base(meta["base_model"], load_in_4bit, trains=False)
     model = PeftModel.from_pretrained(base, str(Path(checkpoint) / "critic"), adapter_name="critic")
     return model, load_heads(checkpoint, base.config.hidden_size).to(base.device), tok
 

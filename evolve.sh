@@ -9,6 +9,7 @@
 #   PROMPT=eto bash evolve.sh              # ETO's instruction and one-shot example (the paper's protocol), ETO's step caps
 #   VARIANT=rft SEED=2 bash evolve.sh      # a baseline or ablation instead of Q-Evolve, another seed
 #   NPROC=4 bash evolve.sh                 # every training stage and rollout as 4 processes (docs/scale.md)
+#   REHEARSAL=1 bash evolve.sh             # PRESET=7b's 4-bit path on the tiny model and a few tasks, on a CPU
 #   DRY_RUN=1 bash evolve.sh               # print the settings and every stage's command, run nothing
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -16,6 +17,12 @@ cd "$(dirname "$0")"
 if [ "${SMOKE:-0}" = 1 ]; then
   : "${MODEL:=tiny}" "${RUN:=runs/smoke}" "${NUM_DEMOS:=2}" "${NUM_TASKS:=2}" "${NUM_EVAL:=1}" "${SAMPLES:=2}" "${MAX_STEPS:=3}"
   : "${BC_EPOCHS:=1}" "${CRITIC_EPOCHS:=1}" "${TASKS:=find-non-living-thing lifespan-longest-lived}"
+fi
+# REHEARSAL=1: PRESET=7b's path (its flags, DEPARTURES=none, ETO's prompt, a 4-bit nf4 base with the policy's and
+# the critic's LoRA adapters on it) on the tiny model and a few tasks, in minutes on a CPU (docs/scale.md)
+if [ "${REHEARSAL:-0}" = 1 ]; then
+  : "${PRESET:=7b}" "${MODEL:=tiny}" "${LOAD_IN_4BIT:=1}" "${RUN:=runs/rehearsal}" "${TASKS=lifespan-longest-lived}"
+  : "${NUM_DEMOS:=2}" "${NUM_TASKS:=2}" "${NUM_EVAL:=1}" "${MAX_STEPS:=6}" "${MAX_NEW_TOKENS:=24}"  # short, for time
 fi
 # FULL_FINETUNE=1: the policy trains every weight, as the paper does (bc.py --full-finetune; bppo.py and the
 # baselines go on with the checkpoint as it is), at full fine-tuning's rates: BC at ETO's 2e-5, BPPO at 2e-6. fp32
@@ -85,6 +92,14 @@ bc_start=()  # BC from the base model (the baselines' continued BC takes its che
 # Rollouts stay in the model's own dtype, so that greedy episodes do not depend on how rows are batched.
 : "${BF16:=1}"
 [ "$BF16" = 1 ] && { bc_extra+=(--bf16); critic_extra+=(--bf16); bppo_extra+=(--bf16); }
+# LOAD_IN_4BIT=1: the base model in 4-bit nf4 with double quantization (QLoRA) in every stage, also on a CPU
+# (bitsandbytes' CPU backend): PRESET=7b's path rehearsed on a small model (docs/scale.md). 0: never; empty: on
+# CUDA only (each stage's default).
+: "${LOAD_IN_4BIT=}"
+quant=()
+case "$LOAD_IN_4BIT" in "") ;; 1) quant=(--load-in-4bit True) ;; 0) quant=(--load-in-4bit False) ;;
+  *) echo "LOAD_IN_4BIT=$LOAD_IN_4BIT: 1 (nf4), 0 (never) or empty (on CUDA)" >&2; exit 2 ;; esac
+bc_extra+=("${quant[@]}") critic_extra+=("${quant[@]}") bppo_extra+=("${quant[@]}")
 # What we add to the paper's algorithm for small data on a CPU, each a flag (docs/departures.md);
 # PRESET=7b runs none of them (DEPARTURES=none). exact_fit: the critic's heads re-solved by least squares after training;
 # heldout: 10% of the demonstrations kept out of BC and of the hybrid data kept out of critic training, for
@@ -122,7 +137,7 @@ critic_flags=(--process-reward "$PROCESS_REWARD" --gae-lambda "$GAE_LAMBDA" --ep
 bppo_flags=(--epochs "$BPPO_EPOCHS" --lr "$BPPO_LR" --grad-accum "$GRAD_ACCUM" "${bppo_extra[@]}")
 settings=$(for v in ENV MODEL ITERS TASKS NUM_DEMOS NUM_TASKS NUM_EVAL SAMPLES TEMPERATURE MAX_STEPS BC_EPOCHS \
                     CRITIC_EPOCHS BPPO_EPOCHS BPPO_LR NUM_ENVS GRAD_ACCUM BC_ACCUM CRITIC_ACCUM CRITIC_TAU MAX_NEW_TOKENS VARIANT PROCESS_REWARD \
-                    GAE_LAMBDA KEEP_SELF PROMPT DEMO_TASKS TRAIN_TASKS EVAL_TASKS EXPERT ENV_DATA DEPARTURES CANDIDATES BF16 FULL_FINETUNE SEED EVAL; do
+                    GAE_LAMBDA KEEP_SELF PROMPT DEMO_TASKS TRAIN_TASKS EVAL_TASKS EXPERT ENV_DATA DEPARTURES CANDIDATES BF16 LOAD_IN_4BIT FULL_FINETUNE SEED EVAL; do
   printf '%-15s %s\n' "$v" "${!v}"; done)
 printf 'RUN            %s\n%s\n' "$RUN" "$settings"
 if [ "${DRY_RUN:-0}" = 1 ]; then
@@ -161,7 +176,8 @@ evaluate() {
   local decode=(--temperature 0)
   [ -n "${3:-}" ] && decode=(--temperature "$TEMPERATURE" --rerank-with "$3" --candidates "$CANDIDATES")
   stage "$RUN/$1/eval" "${run[@]}" collect.py "${select[@]}" --policy "$2" "${eval_sets[@]}" "${eval_tasks[@]}" \
-    --num-envs "$NUM_ENVS" --max-new-tokens "$MAX_NEW_TOKENS" "${decode[@]}" --iteration "$1" --out "$RUN/$1/eval/{split}.jsonl"
+    --num-envs "$NUM_ENVS" --max-new-tokens "$MAX_NEW_TOKENS" "${decode[@]}" "${quant[@]}" --iteration "$1" \
+    --out "$RUN/$1/eval/{split}.jsonl"
 }
 
 expert=$RUN/0/expert/train.jsonl
@@ -220,7 +236,8 @@ for it in $(seq 1 "$ITERS"); do
   draw=()  # from a pool: this iteration's own draw of fresh tasks
   [ -n "$TRAIN_TASKS" ] && [ "$NUM_TASKS" != 0 ] && draw=(--round "$it")
   stage "$d/collect" "${run[@]}" collect.py "${select[@]}" --policy "$policy" "${train_sets[@]}" "${train_tasks[@]}" "${draw[@]}" "${rerank[@]}" \
-    --samples-per-task "$SAMPLES" --num-envs "$NUM_ENVS" --max-new-tokens "$MAX_NEW_TOKENS" --temperature "$TEMPERATURE" --iteration "$it" --out "$d/collect/self.jsonl"
+    --samples-per-task "$SAMPLES" --num-envs "$NUM_ENVS" --max-new-tokens "$MAX_NEW_TOKENS" --temperature "$TEMPERATURE" \
+    "${quant[@]}" --iteration "$it" --out "$d/collect/self.jsonl"
   # paper §1.1: this iteration's self-generated data replaces the last one's; expert data stays
   [ "$KEEP_SELF" = 1 ] && selves+=("$d/collect/self.jsonl") || selves=("$d/collect/self.jsonl")
   if [ "$VARIANT" = rft ]; then  # BC on the expert data and the policy's own successful rollouts

@@ -104,13 +104,14 @@ def device() -> str:
 
 
 def load_base(name: str, load_in_4bit: bool | None = None, grad_ckpt: bool | None = False,
-              full_finetune: bool = False, weights: str | None = None):
+              full_finetune: bool = False, weights: str | None = None, trains: bool = True):
     """Base causal LM and tokenizer. 4-bit nf4 (QLoRA) by default on CUDA, plain fp32 on CPU;
     load_in_4bit=True also works on CPU (bitsandbytes has a CPU backend), which the tests use.
     grad_ckpt=None: gradient checkpointing on CUDA only (BC on 2 CPU cores: 105 tokens/s without, 75 with).
     full_finetune: every weight trains, so fp32 weights even on CUDA (the passes can run in bf16: --bf16) and
     never 4-bit. weights: a full fine-tuning's checkpoint folder to take the weights from (the tokenizer stays
-    the base model's)."""
+    the base model's). trains=False: the model only plays or scores (a 4-bit base may then take bitsandbytes' fast
+    CPU kernel, see keep_4bit_trainable)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
     dev = device()
@@ -134,6 +135,8 @@ def load_base(name: str, load_in_4bit: bool | None = None, grad_ckpt: bool | Non
         tokenizer.pad_token = tokenizer.eos_token
     if name in (DEFAULT_MODEL, HUB_ID):
         model.name_or_path = HUB_ID  # what peft writes into adapter_config.json as the base, not a local path
+    if quant is not None and trains:
+        keep_4bit_trainable(model)
     if quant is not None:
         from peft import prepare_model_for_kbit_training
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=grad_ckpt)
@@ -141,6 +144,18 @@ def load_base(name: str, load_in_4bit: bool | None = None, grad_ckpt: bool | Non
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
     return model, tokenizer
+
+
+def keep_4bit_trainable(model) -> None:
+    """Keep a 4-bit base's layers on the path that has a backward pass. bitsandbytes' CPU backend (0.50) repacks a
+    4-bit weight for its AVX512-BF16 kernel the first time the layer runs in eval mode without gradients, for good;
+    from then on every forward takes that kernel, which has no backward, so the gradient stops at the layer and the
+    LoRA weights below it learn from a wrong one, silently (torch only warns). A training stage runs eval passes
+    between its updates (BPPO's π_old and π_ref, BC's held-out loss): measured on the rehearsal's BC policy, LoRA
+    gradients after such a pass were off by 100 % of their norm. CUDA has no such repacking."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
 
 
 def lora_config(r: int, alpha: int, dropout: float):
@@ -201,7 +216,7 @@ def load_policy(checkpoint: str, load_in_4bit: bool | None = None, trainable: bo
                                      weights=weights)
         return model.train(trainable), tokenizer, meta["base_model"]
     from peft import PeftModel
-    base, tokenizer = load_base(meta["base_model"], load_in_4bit, grad_ckpt)
+    base, tokenizer = load_base(meta["base_model"], load_in_4bit, grad_ckpt, trains=trainable)
     model = PeftModel.from_pretrained(base, weights, adapter_name="policy", is_trainable=trainable)
     return model, tokenizer, meta["base_model"]
 
