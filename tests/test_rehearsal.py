@@ -59,7 +59,7 @@ def test_lora_gradients_through_4bit_layers_match_the_dequantized_model(tiny_pol
     first eval-mode pass; models.keep_4bit_trainable keeps training stages off it, so LoRA gradients after an
     eval pass (BPPO's π_old) are those of the same model with the nf4 weights dequantized into fp32."""
     import bitsandbytes as bnb
-    expert = [t for t in common.read_jsonl(ROOT / "tests" / "data" / "expert_files" / "eto_style_sciworld_messages.json")]
+    expert = common.read_jsonl(ROOT / "tests" / "data" / "expert_files" / "eto_style_sciworld_messages.json")
     grads = {}
     for kind in ("nf4", "dequantized"):
         model, tok, _ = models.load_policy(str(tiny_policy), load_in_4bit=kind == "nf4", trainable=True)
@@ -114,7 +114,7 @@ def test_old_and_reference_logprobs_on_one_4bit_base_equal_fresh_loads(rehearsal
     bppo.old_and_ref_logprobs(model, batches, same_ref, args)
     assert not same_ref
     for key, checkpoint in (("logp_old", args.policy), ("logp_ref", args.reference)):
-        fresh, ftok, _ = models.load_policy(checkpoint, load_in_4bit=True)
+        fresh, ftok, _ = models.load_policy(checkpoint, load_in_4bit=True, trainable=True)  # BPPO's kernels
         fresh.eval()
         with torch.no_grad():
             for b, t in zip(batches, trajs):
@@ -136,9 +136,9 @@ def test_the_critic_reads_the_policys_quantized_weights(rehearsal):
     with torch.no_grad():
         _, Q, _ = critic.values(alone, heads, *critic.encode(tok, traj))
     reranker = Reranker(str(rehearsal / "2" / "critic"), policy.eval(), base)
-    first = traj["messages"][:traj["messages"].index(next(m for m in traj["messages"]
-                                                          if m["role"] == "assistant" and m["content"] == traj["steps"][0]["text"]))]
-    q = reranker.q_values(tok, first, [traj["steps"][0]["text"]])
+    answer = traj["steps"][0]["text"]  # the first step's answer, after the chat before it
+    k = next(i for i, m in enumerate(traj["messages"]) if m["role"] == "assistant" and m["content"] == answer)
+    q = reranker.q_values(tok, traj["messages"][:k], [answer])
     assert abs(q[0] - float(Q[0])) < 1e-4
 
 
