@@ -9,6 +9,10 @@ the peak of torch.cuda.max_memory_allocated (on CPU: peak RSS) and the stage's o
 
     python bench/gpu_memory.py                                  # on a GPU: the 7B table for docs/scale.md
     python bench/gpu_memory.py --shape tiny --tokens 512 --num-envs 2 --max-steps 2    # CPU check (a test)
+    python bench/gpu_memory.py --shape smollm2-135m --load-in-4bit True --bf16 --tokens 1024   # nf4 on a CPU
+    python bench/gpu_memory.py --shape smollm2-135m --load-in-4bit False --bf16 --tokens 1024  # against fp32 + bf16
+
+--shape smollm2-135m takes the default model itself (trained weights) instead of a random one.
 """
 from __future__ import annotations
 
@@ -56,6 +60,10 @@ class Args:
     max_steps: int = 10
     """collect.py episode length: with 128-token answers the caches reach about --tokens"""
     budget_gb: float = 22.0
+    load_in_4bit: bool | None = None
+    """every stage's --load-in-4bit (default: theirs, nf4 on CUDA only)"""
+    bf16: bool = False
+    """the training stages' --bf16 (bfloat16 autocast; evolve.sh's BF16=1)"""
     workdir: str | None = None
     """where the model (13 GB for 7B) and outputs go; default: a temporary folder"""
 
@@ -126,12 +134,15 @@ def last_metric(path: Path, key: str) -> float:
 
 def main() -> None:
     args = tyro.cli(Args)
-    if args.shape not in SHAPES:
-        raise SystemExit(f"--shape {args.shape}: use one of {', '.join(SHAPES)}")
+    if args.shape not in SHAPES and args.shape != models.DEFAULT_MODEL:
+        raise SystemExit(f"--shape {args.shape}: use one of {', '.join(SHAPES)}, {models.DEFAULT_MODEL}")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.workdir or tmp)
+        work.mkdir(parents=True, exist_ok=True)
         model_dir = work / f"model-{args.shape}"
-        if not (model_dir / "config.json").exists():
+        if args.shape == models.DEFAULT_MODEL:
+            model_dir = Path(models.resolve_model(args.shape))
+        elif not (model_dir / "config.json").exists():
             print(f"building a random {args.shape} model in {model_dir}", flush=True)
             build_model(args.shape, model_dir)
         from transformers import AutoTokenizer
@@ -142,24 +153,26 @@ def main() -> None:
         common.write_jsonl(work / "held.jsonl", trajs[2:3])
         common.write_jsonl(work / "hybrid.jsonl", [relabel.label_trajectory(t) for t in trajs])
 
-        m = str(model_dir)
+        m = args.shape if args.shape == models.DEFAULT_MODEL else str(model_dir)
+        quant = [] if args.load_in_4bit is None else ["--load-in-4bit", str(args.load_in_4bit)]
+        train = quant + (["--bf16"] if args.bf16 else [])
         rows = [
             run_stage("bc", ["bc.py", "--data", str(work / "train.jsonl"), "--eval-data", str(work / "held.jsonl"),
-                             "--model", m, "--epochs", "1", "--grad-accum", "2", "--out", str(work / "bc")],
+                             "--model", m, "--epochs", "1", "--grad-accum", "2", "--out", str(work / "bc"), *train],
                       lambda sec: f"{last_metric(work / 'bc' / 'metrics.jsonl', 'tokens_per_s'):.0f} tokens/s"),
             run_stage("collect", ["collect.py", "--env", "sciworld", "--policy", str(work / "bc"),
                                   "--num-tasks", str(args.num_envs), "--num-envs", str(args.num_envs),
                                   "--max-steps", str(args.max_steps), "--temperature", "0.7",
-                                  "--out", str(work / "collect.jsonl")],
+                                  "--out", str(work / "collect.jsonl"), *quant],
                       lambda sec: f"{json.loads((work / 'collect.summary.json').read_text())['env_steps'] / sec:.2f} "
                                   "env steps/s, loading included"),
             run_stage("critic", ["critic.py", "--data", str(work / "hybrid.jsonl"), "--policy", str(work / "bc"),
-                                 "--epochs", "1", "--grad-accum", "2", "--out", str(work / "critic")],
+                                 "--epochs", "1", "--grad-accum", "2", "--out", str(work / "critic"), *train],
                       lambda sec: f"{last_metric(work / 'critic' / 'metrics.jsonl', 'transitions_per_s'):.2f} "
                               "transitions/s"),
             run_stage("bppo", ["bppo.py", "--data", str(work / "critic" / "scored.jsonl"), "--policy",
                                str(work / "bc"), "--reference", str(work / "bc"), "--grad-accum", "2",
-                               "--out", str(work / "bppo")],
+                               "--out", str(work / "bppo"), *train],
                       lambda sec: f"{last_metric(work / 'bppo' / 'metrics.jsonl', 'trajectories_per_s'):.2f} traj/s"),
         ]
         longest = max(len(chat.tokenize_chat(tok, t["messages"])[0])
@@ -167,8 +180,9 @@ def main() -> None:
 
     on_gpu = rows[0]["cuda"] is not None
     unit = "peak GPU memory (max_memory_allocated)" if on_gpu else "peak RSS (CPU)"
-    print(f"\n{args.shape}, trajectories of {n_tokens} tokens, collect: {args.num_envs} envs up to {longest} "
-          f"tokens, {unit}")
+    weights = {None: "the stages' default weights", True: "nf4 base", False: "unquantized base"}[args.load_in_4bit]
+    print(f"\n{args.shape}, {weights}{', bf16 autocast in training' if args.bf16 else ''}, trajectories of "
+          f"{n_tokens} tokens, collect: {args.num_envs} envs up to {longest} tokens, {unit}")
     print(f"| stage | {unit} | wall | throughput |\n|---|---|---|---|")
     over = []
     for r in rows:

@@ -13,6 +13,18 @@ sys.path.insert(0, str(ROOT / "tools"))
 import study  # noqa: E402
 
 
+def table_rows(text: str, heading: str) -> dict[str, str]:
+    """The rows of the markdown table whose heading line starts with `heading`, by their first cell."""
+    lines = text.splitlines()
+    start = next(k for k, line in enumerate(lines) if line.startswith(heading)) + 2
+    rows = {}
+    for line in lines[start:]:
+        if not line.startswith("| "):
+            break
+        rows[line.split(" | ")[0].removeprefix("| ")] = line
+    return rows
+
+
 def test_bootstrap_on_hand_worked_cases():
     rng = np.random.default_rng(1)
     # One seed, episodes 0 and 1: resampled means are 0, 0.5, 1 with chances 1/4, 1/2, 1/4, so the 95 % interval
@@ -47,9 +59,9 @@ def test_a_variant_is_measured_against_the_bc_it_started_from(tmp_path):
                # sft's run trained its own BC (Q-Evolve's folder was gone): 50, and its policy 60 → Δ BC +10,
                # where against Q-Evolve's BC (20) it would read +40
                ("sft", 1): {"policies": [policy(0, 50.0), policy(1, 60.0)], "shared_stages": [], "stage_seconds": {}}}
-    text = study.report(records, ("qevolve", "sft"), tmp_path, resamples=100, smoke=True)
-    table = text.split("Q-Evolve's last policy minus")[0]  # the policies' table, not the one below it
-    rows = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines() if line.startswith("| ")}
+    plan = study.Plan(seeds=[1], arms={"qevolve": {"VARIANT": "qevolve"}, "sft": {"VARIANT": "sft"}})
+    text = study.report(records, plan, tmp_path, resamples=100, smoke=True)
+    rows = table_rows(text, "| policy | seeds |")
     assert "+10.0 [+10.0, +10.0]" in rows["SFT (more BC)"] and "+10.0 [+10.0, +10.0]" in rows["Q-Evolve, iter 1"]
     assert "| 20.0 [20.0, 20.0] |" in rows["BC"]  # the BC row is still Q-Evolve's
 
@@ -104,12 +116,13 @@ def test_study_runs_seeds_and_variants_shares_bc_and_resumes_from_its_records(tm
         assert json.loads((out / "records" / f"rft-seed{seed}.json").read_text())["shared_stages"] == [
             "0/expert", "0/bc", "0/eval", "1/collect"]
     table = (out / "results.md").read_text()
-    for row in ("| BC | 2 |", "| Q-Evolve, iter 1 | 2 |", "| RFT (BC on own successes) | 2 |", "| Q-Evolve minus |"):
+    for row in ("| BC | 2 |", "| Q-Evolve, iter 1 | 2 |", "| RFT (BC on own successes) | 2 |",
+                "| Q-Evolve, iter 1 minus RFT (BC on own successes) |"):
         assert row in table
     assert (out / "results.png").read_bytes()[:4] == b"\x89PNG"
     for run in runs.iterdir():  # each run's page holds the study's table (evolve.sh wrote it without)
         page = (run / "report.html").read_text()
-        assert "The study this run belongs to" in page and "Q-Evolve minus" in page
+        assert "The study this run belongs to" in page and "Q-Evolve, iter 1 minus RFT" in page
 
     # A rerun (here without the runs: another machine) finds every run in the records and runs nothing.
     import shutil
@@ -145,18 +158,6 @@ def test_seed_level_t_interval_holm_and_bootstrap_p_on_hand_worked_cases():
     assert study.bootstrap_p([np.array([-1.0, 1.0])], 1000, rng) == 1.0
 
 
-def table(text: str, heading: str) -> dict[str, str]:
-    """The rows of the markdown table whose heading line starts with `heading`, by their first cell."""
-    lines = text.splitlines()
-    start = next(k for k, line in enumerate(lines) if line.startswith(heading)) + 2
-    rows = {}
-    for line in lines[start:]:
-        if not line.startswith("| "):
-            break
-        rows[line.split(" | ")[0].removeprefix("| ")] = line
-    return rows
-
-
 def fake_record(arm: str, seed: int, rewards: dict[int, list[float]], diagnostics: dict | None = None) -> dict:
     """A record of one dev set whose policy at each iteration scored rewards (one per task)."""
     return {"arm": arm, "seed": seed, "sets": ["dev"], "shared_stages": [], "stage_seconds": {},
@@ -176,7 +177,7 @@ def test_a_plans_report_pairs_each_arm_with_its_reference_and_tests_its_claims(t
         records["rft", seed] = fake_record("rft", seed, {0: [0, 0], 1: [50, 0]})
         records["lam0", seed] = fake_record("lam0", seed, {0: [0, 0], 1: [100, 100]}, diag)
     text = study.report(records, plan, tmp_path, resamples=200, smoke=True)
-    main, invalid, versus, diagnostics, claims = (table(text, heading) for heading in (
+    main, invalid, versus, diagnostics, claims = (table_rows(text, heading) for heading in (
         "| policy | seeds |", "| policy | dev invalid", "| difference |", "| arm |", "| claim |"))
     rft = study.LABELS["rft"]  # an arm named for a variant, with no label of the plan's
     assert "| 2 | 100.0 [100.0, 100.0] |" in main["Q-Evolve, λ 0, iter 1"]

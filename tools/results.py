@@ -64,7 +64,8 @@ def policy_rows(run: Path, iters: int) -> list[dict]:
         if first.get("rerank_with"):  # VARIANT=no_pi: the BC policy, the critic choosing among sampled answers
             name += f" (BC + critic's pick of {first['candidates']})"
         rows.append(dict(iteration=it, name=name, sets=sets, train_steps=train_steps,
-                         data=DATA_NAMES.get(settings.get("ENV_DATA", ""), ""), expert=settings.get("EXPERT", "")))
+                         data=DATA_NAMES.get(settings.get("ENV_DATA", ""), ""),
+                         **({"expert": settings["EXPERT"]} if "EXPERT" in settings else {})))
     return rows
 
 
@@ -80,7 +81,7 @@ def table(rows: list[dict]) -> str:
     sets = rows[0]["sets"]
     counts = " and ".join(f"{sets[s]['episodes']} {s}" for s in names)
     data = f" ({rows[0]['data']})" if rows[0].get("data") else ""
-    expert = f"; expert data {rows[0]['expert']}" if rows[0].get("expert") else ""
+    expert = f"; expert data: {rows[0]['expert'] or 'the planner, template thoughts'}" if "expert" in rows[0] else ""
     note = (f"\n{sets[names[0]]['env']}{data}{expert}: {counts} episodes per policy, greedy (a critic's pick: among answers sampled at the rollout temperature); reward is the "
             "final score averaged over episodes.\n")
     return "\n".join(lines) + "\n" + note

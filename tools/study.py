@@ -439,10 +439,11 @@ def report(records: dict[tuple[str, int], dict], plan: Plan, out: Path, resample
                                        rng=rng) if arm != "bc" else None)
             r[s]["episodes"] = sum(len(o) for o in outcomes[s].values())
             episodes = [o for seed in outcomes[s].values() for o in seed.values()]
-            steps = sum(o["steps"] for o in episodes)
-            r[s]["invalid"] = (100 * sum(o.get("invalid", 0) for o in episodes) / max(steps, 1)
-                               if all("invalid" in o for o in episodes) else None)
-            r[s]["mean_steps"] = steps / max(len(episodes), 1)
+            steps = sum(o.get("steps", 0) for o in episodes)
+            counted = all("steps" in o for o in episodes)  # (every record this study writes counts both)
+            r[s]["invalid"] = (100 * sum(o["invalid"] for o in episodes) / max(steps, 1)
+                               if counted and all("invalid" in o for o in episodes) else None)
+            r[s]["mean_steps"] = steps / max(len(episodes), 1) if counted else None
         r["train_env_steps"] = round(float(np.mean(list(outcomes["steps"].values()))))
         stats.append(r)
 
@@ -457,13 +458,16 @@ def report(records: dict[tuple[str, int], dict], plan: Plan, out: Path, resample
         cells = " | ".join(f"{fmt(*r[s]['reward'])} | {fmt(*r[s]['success'])}" for s in sets)
         delta = " | ".join(fmt(*r[s]["delta"], sign=True) if r[s]["delta"] else "" for s in sets)
         lines.append(f"| {r['name']} | {r['seeds']} | {cells} | {delta} | {r['train_env_steps']} |")
+    kinds = [("invalid", "invalid %"), ("mean_steps", "steps")]
+    if all(r[s]["invalid"] is None for r in stats for s in sets):
+        kinds = kinds[1:]  # records written before invalid actions were counted
     lines += ["", "Invalid actions (% of the evaluation's steps: rejected by the environment or no action) and "
-              "steps per episode:", "", "| policy | " + " | ".join(f"{s} invalid % | {s} steps" for s in sets) +
-              " |", "|---" * (1 + 2 * len(sets)) + "|"]
+              "steps per episode:" if len(kinds) == 2 else "Steps per episode:", "",
+              "| policy | " + " | ".join(f"{s} {label}" for s in sets for _, label in kinds) + " |",
+              "|---" * (1 + len(kinds) * len(sets)) + "|"]
     for r in stats:
-        cells = [("" if r[s]["invalid"] is None else f"{r[s]['invalid']:.1f}", f"{r[s]['mean_steps']:.1f}")
-                 for s in sets]
-        lines.append(f"| {r['name']} | " + " | ".join(f"{a} | {b}" for a, b in cells) + " |")
+        lines.append(f"| {r['name']} | " + " | ".join("" if r[s][k] is None else f"{r[s][k]:.1f}"
+                                                     for s in sets for k, _ in kinds) + " |")
     # each arm's last policy against the reference: the plan's versus, else (the default study) Q-Evolve's
     last = {arm: (arm, name, o) for arm, name, o in rows}  # the last row of each arm is its last policy
     ref = plan.versus or ("qevolve" if "qevolve" in last else None)
