@@ -202,7 +202,7 @@ def main() -> None:
 
     # the first --num-tasks tasks of each split, --samples-per-task times; with the expert, the tasks after them
     # take the place of those whose expert path is longer than the cap
-    target = {split: len(ts) if args.round else min(args.num_tasks or len(ts), len(ts)) for split, ts in tasks.items()}
+    target = {split: min(args.num_tasks or len(ts), len(ts)) for split, ts in tasks.items()}
     extra = {split: iter(ts[target[split]:]) for split, ts in tasks.items()}
     source = "expert" if args.policy == "expert" else "policy"
     todo = [(task, f"{task.key}/{source}{k}") for split, ts in tasks.items() for task in ts[:target[split]]

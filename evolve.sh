@@ -100,12 +100,13 @@ quant=()
 case "$LOAD_IN_4BIT" in "") ;; 1) quant=(--load-in-4bit True) ;; 0) quant=(--load-in-4bit False) ;;
   *) echo "LOAD_IN_4BIT=$LOAD_IN_4BIT: 1 (nf4), 0 (never) or empty (on CUDA)" >&2; exit 2 ;; esac
 bc_extra+=("${quant[@]}") critic_extra+=("${quant[@]}") bppo_extra+=("${quant[@]}")
-# What we add to the paper's algorithm for small data on a CPU, each a flag (docs/departures.md);
-# PRESET=7b runs none of them (DEPARTURES=none). exact_fit: the critic's heads re-solved by least squares after training;
-# heldout: 10% of the demonstrations kept out of BC and of the hybrid data kept out of critic training, for
-# their diagnostics; adv_norm: advantages standardised per optimizer batch; adv_center: advantages less their mean
-# over the whole dataset (BPPO then raises the better half of the data's actions, lowers the worse); grad_clip: gradient norms clipped at 1 in the critic and BPPO; value_clip: V and Q
-# kept within the data's returns where the critic bootstraps from them and where the process rewards read them.
+# What we add to the paper's algorithm for small data on a CPU, each a flag (docs/departures.md); PRESET=7b runs
+# none of them (DEPARTURES=none). exact_fit: the critic's heads re-solved by least squares after training; heldout:
+# 10% of the demonstrations kept out of BC and of the hybrid data kept out of critic training, for their
+# diagnostics; adv_norm: advantages standardised per optimizer batch; adv_center: advantages less their mean over
+# the whole dataset (BPPO then raises the better-than-average actions, lowers the rest); grad_clip: gradient norms
+# clipped at 1 in the critic and BPPO; value_clip: V and Q kept within the data's returns where the critic
+# bootstraps from them and where the process rewards read them.
 : "${DEPARTURES=exact_fit heldout grad_clip value_clip}"
 for departure in $DEPARTURES; do
   case "$departure" in
@@ -171,7 +172,8 @@ stage() {  # stage DIR COMMAND...: run COMMAND unless DIR/.done says it already 
   echo "seconds $((SECONDS - start))" > "$dir/.done"
 }
 # evaluate ITER POLICY [CRITIC]: greedy episodes on seen and unseen tasks (or EVAL_TASKS' sets) in one process (the
-# sets share its slots), into RUN/ITER/eval/{seen,unseen}.jsonl; with a critic, its pick of CANDIDATES answers sampled at TEMPERATURE
+# sets share its slots), into RUN/ITER/eval/<set>.jsonl; with a critic, its pick of CANDIDATES answers sampled at
+# TEMPERATURE
 evaluate() {
   local decode=(--temperature 0)
   [ -n "${3:-}" ] && decode=(--temperature "$TEMPERATURE" --rerank-with "$3" --candidates "$CANDIDATES")

@@ -101,8 +101,7 @@ def read_task_list(path: str, env: TextEnv, split: str) -> list[Task]:
         name, _, variation = line.rpartition("/")
         task = env.task(name, int(variation), split) if name and variation.isdigit() else None
         if task is None:
-            raise EnvError(f"{path}:{lineno}: {line!r} is no {env.name} task (expected family/variation, e.g. "
-                           f"{(env.tasks('train') or [Task(env.name, 'family', 0, split)])[0].name}/0)")
+            raise EnvError(f"{path}:{lineno}: {line!r} is no {env.name} task (expected family/variation)")
         if (name, task.variation) in seen:
             raise EnvError(f"{path}:{lineno}: {line!r} is listed twice")
         seen.add((name, task.variation))

@@ -153,9 +153,10 @@ def test_seed_level_t_interval_holm_and_bootstrap_p_on_hand_worked_cases():
     assert np.allclose(study.holm([0.01, 0.04, 0.03]), [0.03, 0.06, 0.06])
     assert study.holm([0.5, 0.9]) == [1.0, 1.0]
     rng = np.random.default_rng(0)
-    assert study.bootstrap_p([np.array([2.0, 3.0]), np.array([1.0])], 1000, rng) == 0.0  # never at or below 0
+    never_below = study.resampled_means([np.array([2.0, 3.0]), np.array([1.0])], 1000, rng)
+    assert study.bootstrap_p(never_below) == 0.0  # no resampled mean at or below 0
     # one seed, episodes −1 and +1: a resampled mean is ≤ 0 with chance 3/4 and ≥ 0 with chance 3/4
-    assert study.bootstrap_p([np.array([-1.0, 1.0])], 1000, rng) == 1.0
+    assert study.bootstrap_p(study.resampled_means([np.array([-1.0, 1.0])], 1000, rng)) == 1.0
 
 
 def fake_record(arm: str, seed: int, rewards: dict[int, list[float]], diagnostics: dict | None = None) -> dict:

@@ -82,8 +82,8 @@ def table(rows: list[dict]) -> str:
     counts = " and ".join(f"{sets[s]['episodes']} {s}" for s in names)
     data = f" ({rows[0]['data']})" if rows[0].get("data") else ""
     expert = f"; expert data: {rows[0]['expert'] or 'the planner, template thoughts'}" if "expert" in rows[0] else ""
-    note = (f"\n{sets[names[0]]['env']}{data}{expert}: {counts} episodes per policy, greedy (a critic's pick: among answers sampled at the rollout temperature); reward is the "
-            "final score averaged over episodes.\n")
+    note = (f"\n{sets[names[0]]['env']}{data}{expert}: {counts} episodes per policy, greedy (a critic's pick: "
+            "among answers sampled at the rollout temperature); reward is the final score averaged over episodes.\n")
     return "\n".join(lines) + "\n" + note
 
 

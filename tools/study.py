@@ -144,7 +144,12 @@ def bootstrap(per_seed: list[np.ndarray], resamples: int = 10_000, level: float 
 
     Resampling seeds carries the run-to-run spread (training, sampling) into the interval; resampling episodes
     the spread over tasks. With one seed it is the ordinary bootstrap over episodes."""
-    rng = rng or np.random.default_rng(0)
+    return interval(per_seed, resampled_means(per_seed, resamples, rng or np.random.default_rng(0)), level)
+
+
+def resampled_means(per_seed: list[np.ndarray], resamples: int, rng: np.random.Generator) -> np.ndarray:
+    """`resamples` means of the two-level bootstrap: K seeds drawn with replacement, then each drawn seed's
+    episodes with replacement, the mean of the K slots' means."""
     k = len(per_seed)
     drawn = rng.integers(k, size=(resamples, k))
     slot_means = np.empty((resamples, k))
@@ -154,7 +159,11 @@ def bootstrap(per_seed: list[np.ndarray], resamples: int = 10_000, level: float 
             if rows.size:
                 picks = rng.integers(len(values), size=(rows.size, len(values)))
                 slot_means[rows, slot] = values[picks].mean(axis=1)
-    means = slot_means.mean(axis=1)
+    return slot_means.mean(axis=1)
+
+
+def interval(per_seed: list[np.ndarray], means: np.ndarray, level: float = 0.95) -> tuple[float, float, float]:
+    """(mean of the seeds' means, low, high): the percentile interval of resampled means."""
     tail = 100 * (1 - level) / 2
     low, high = np.percentile(means, [tail, 100 - tail])
     return float(np.mean([v.mean() for v in per_seed])), float(low), float(high)
@@ -350,11 +359,6 @@ def record_sets(rec: dict) -> list[str]:
     return rec.get("sets", ["seen", "unseen"])  # records written before EVAL_TASKS: ETO's splits
 
 
-def last_iteration(records: dict[tuple[str, int], dict], arm: str) -> int | None:
-    iters = {p["iteration"] for (a, _), r in records.items() if a == arm for p in r["policies"]} - {0}
-    return max(iters) if iters else None
-
-
 def policy_rows(records: dict[tuple[str, int], dict], plan: Plan) -> list[tuple[str, str, dict]]:
     """(arm, name, gather's outcomes): BC once (each seed's own), then each arm's evaluated iterations (Q-Evolve's
     every iteration where it evaluated them, the paper's Figure 3)."""
@@ -386,17 +390,9 @@ def seed_t(per_seed: list[np.ndarray], level: float = 0.95) -> tuple[float, floa
     return mean, mean - half, mean + half, float(2 * stats.t.sf(abs(mean / se), k - 1))
 
 
-def bootstrap_p(per_seed: list[np.ndarray], resamples: int, rng: np.random.Generator) -> float:
-    """Two-sided bootstrap p against 0: twice the smaller share of two-level resampled means on either side of 0
-    (the smallest α at which the percentile interval at 1 − α excludes 0)."""
-    k = len(per_seed)
-    drawn = rng.integers(k, size=(resamples, k))
-    means = np.zeros(resamples)
-    for slot in range(k):
-        for s, values_ in enumerate(per_seed):
-            rows = np.flatnonzero(drawn[:, slot] == s)
-            if rows.size:
-                means[rows] += values_[rng.integers(len(values_), size=(rows.size, len(values_)))].mean(axis=1) / k
+def bootstrap_p(means: np.ndarray) -> float:
+    """Two-sided bootstrap p against 0 from resampled means: twice the smaller share on either side of 0 (the
+    smallest α at which the percentile interval at 1 − α excludes 0)."""
     return float(min(1.0, 2 * min((means <= 0).mean(), (means >= 0).mean())))
 
 
@@ -527,9 +523,10 @@ def comparisons_table(records, plan: Plan, last: dict, bc: dict, sets: list[str]
     usable = [d for d in diffs if d]
     if len(usable) < len(diffs):
         return ["", "The comparisons wait for every arm's records."]
-    boot = [bootstrap(d, resamples, rng=rng) for d in diffs]
+    means = [resampled_means(d, resamples, rng) for d in diffs]  # one resampling gives interval and p
+    boot = [interval(d, m) for d, m in zip(diffs, means)]
     t = [seed_t(d) for d in diffs]
-    p_boot = holm([bootstrap_p(d, resamples, rng) for d in diffs])
+    p_boot = holm([bootstrap_p(m) for m in means])
     p_t = holm([x[3] for x in t])
     m = len(diffs)
     lines = ["", f"The claims, on the {primary} set (reward ×100, paired by seed and task; Holm over the "
